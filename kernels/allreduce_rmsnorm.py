@@ -1,0 +1,260 @@
+"""The fused ``weave::allreduce_add_rmsnorm`` op: its contract, reference implementation and oracle.
+
+TokenWeave's first pillar. A tensor-parallel layer ends with ``all_reduce(x) (+ bias) + residual ->
+RMSNorm``. Done as reduce-scatter over token rows -> add -> RMSNorm on this rank's rows ->
+all-gather, the norm runs on 1/N of the tokens and the all-reduce's two halves bracket it.
+
+Contract, per row (rows are the flattened leading dims of ``x``; ``x`` is this rank's partial sum)::
+
+    acc    = sum_over_ranks(x_row).float() (+ bias.float()) (+ residual_row.float())
+    res    = acc.to(residual_dtype)                                 # -> residual_out
+    r      = res.float()
+    y      = r * rsqrt(mean(r * r) + eps)
+    y      = y.to(mid_dtype).float()          if mid_dtype is not None   # HF Llama casts back first
+    y      = y * (weight.float() + weight_offset)  if weight is not None  # offset 1.0: Gemma (1 + w)
+    normed = y.to(out_dtype)
+
+Rows are split into ``S = ceil(T / N)`` rows per rank (padded with zero rows); rank ``r`` owns
+rows ``[r*S, (r+1)*S)``. A *sharded* residual is that ``[S, H]`` slice: with
+``residual_in_sharded`` the op reads it instead of the full residual, with ``residual_out_sharded``
+it returns only its slice (no gather), which lets consecutive fused sites keep the residual
+stream sharded as TokenWeave does.
+
+Implementations (``kernel`` argument, chosen at compile time by :func:`select_kernel`):
+``reference`` (functional collectives: gloo on CPU, NCCL on GPU; the numerical oracle and the
+fallback) and the symmetric-memory Triton kernels ``p2p`` / ``multimem`` in
+``symm_mem_allreduce_rmsnorm.py``. ``allreduce_add_rmsnorm_ref`` is the float64 single-process
+oracle used by tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+KERNELS = ("reference", "p2p", "multimem")
+
+
+# ----------------------------------------------------------------------------- group helpers
+
+
+@functools.lru_cache(maxsize=None)
+def _group_size_rank(group_name: str) -> tuple[int, int]:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    pg = _resolve_process_group(group_name)
+    return pg.size(), pg.rank()
+
+
+def group_size(group_name: str) -> int:
+    return _group_size_rank(group_name)[0]
+
+
+def rows_per_rank(num_rows, world_size: int):
+    """Rows each rank owns: ``ceil(T / N)``; works on SymInts."""
+    return (num_rows + world_size - 1) // world_size
+
+
+def _num_rows(x: torch.Tensor):
+    rows = 1
+    for d in x.shape[:-1]:
+        rows = rows * d
+    return rows
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def _reduce_scatter_rows(rows: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
+    out = torch.ops._c10d_functional.reduce_scatter_tensor(rows, "sum", world_size, group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+def _all_gather_rows(rows: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
+    out = torch.ops._c10d_functional.all_gather_into_tensor(rows.contiguous(), world_size, group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+def _pad_rows(rows: torch.Tensor, padded: int) -> torch.Tensor:
+    if rows.shape[0] == padded:
+        return rows.contiguous()
+    return torch.nn.functional.pad(rows, (0, 0, 0, padded - rows.shape[0]))
+
+
+def norm_rows(
+    res: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    eps: float,
+    out_dtype: torch.dtype,
+    mid_dtype: Optional[torch.dtype],
+    weight_offset: float,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """RMSNorm of already-reduced rows, following the contract's cast order."""
+    r = res.to(compute_dtype)
+    y = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + eps)
+    if mid_dtype is not None:
+        y = y.to(mid_dtype).to(compute_dtype)
+    if weight is not None:
+        y = y * (weight.to(compute_dtype) + weight_offset)
+    return y.to(out_dtype)
+
+
+def reference_impl(
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    weight: Optional[torch.Tensor],
+    eps: float,
+    group_name: str,
+    residual_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    mid_dtype: Optional[torch.dtype],
+    weight_offset: float,
+    residual_in_sharded: bool,
+    residual_out_sharded: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reduce-scatter -> add -> RMSNorm on this rank's rows -> all-gather, with functional collectives."""
+    world_size, rank = _group_size_rank(group_name)
+    hidden = x.shape[-1]
+    rows = x.reshape(-1, hidden)
+    num_rows = rows.shape[0]
+    per_rank = rows_per_rank(num_rows, world_size)
+    padded = per_rank * world_size
+
+    acc = _reduce_scatter_rows(_pad_rows(rows, padded), group_name, world_size).float()
+    if bias is not None:
+        acc = acc + bias.float()
+    if residual is not None:
+        if residual_in_sharded:
+            res_rows = residual
+        else:
+            res_rows = _pad_rows(residual.reshape(-1, hidden), padded)[rank * per_rank : (rank + 1) * per_rank]
+        acc = acc + res_rows.float()
+    res_shard = acc.to(residual_dtype)
+    normed_shard = norm_rows(res_shard, weight, eps, out_dtype, mid_dtype, weight_offset)
+
+    if residual_out_sharded:
+        normed = _all_gather_rows(normed_shard, group_name, world_size)[:num_rows]
+        return normed.reshape(x.shape), res_shard
+    if out_dtype == residual_dtype:
+        # One gather for both outputs: half the collective launches of two gathers.
+        both = _all_gather_rows(torch.cat([normed_shard, res_shard], dim=-1), group_name, world_size)
+        both = both[:num_rows]
+        # Clones: the two outputs must not share storage (custom-op aliasing rule).
+        normed, residual_out = both[:, :hidden].clone(), both[:, hidden:].clone()
+    else:
+        normed = _all_gather_rows(normed_shard, group_name, world_size)[:num_rows]
+        residual_out = _all_gather_rows(res_shard, group_name, world_size)[:num_rows]
+    return normed.reshape(x.shape), residual_out.reshape(x.shape)
+
+
+# ----------------------------------------------------------------------------- selection
+
+
+def select_kernel(
+    requested: str, device: torch.device, dtype: torch.dtype, hidden: int, group_name: str
+) -> tuple[str, str]:
+    """Pick the implementation at compile time; returns ``(kernel, reason)`` for the explain report."""
+    if requested == "reference":
+        return "reference", "requested"
+    if device.type != "cuda":
+        return "reference", f"{device.type} tensors: only the collective-based reference runs there"
+    try:
+        from . import symm_mem_allreduce_rmsnorm as symm
+    except Exception as e:  # triton or symmetric memory unavailable
+        return "reference", f"symmetric-memory kernels unavailable ({type(e).__name__}: {e})"
+    variant, reason = symm.select_symm_variant(group_name, device, dtype, hidden)
+    if variant is None:
+        return "reference", reason
+    if requested == "auto":
+        return variant, f"auto: {reason}"
+    if requested == variant:
+        return variant, "requested"
+    if requested == "p2p" and variant == "multimem":
+        return "p2p", "requested (multimem also available)"
+    return "reference", f"requested {requested!r} unavailable: {reason}"
+
+
+# ----------------------------------------------------------------------------- registered op
+
+
+@torch.library.custom_op("weave::allreduce_add_rmsnorm", mutates_args=())
+def allreduce_add_rmsnorm(
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    weight: Optional[torch.Tensor],
+    eps: float,
+    group_name: str,
+    residual_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    mid_dtype: Optional[torch.dtype],
+    weight_offset: float,
+    residual_in_sharded: bool,
+    residual_out_sharded: bool,
+    kernel: str,
+    comm_ctas: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(normed, residual_out)`` of ``all_reduce(x) (+bias) (+residual) -> RMSNorm``; see module doc."""
+    args = (x, residual, bias, weight, eps, group_name, residual_dtype, out_dtype, mid_dtype,
+            weight_offset, residual_in_sharded, residual_out_sharded)
+    if kernel in ("p2p", "multimem") and x.is_cuda:
+        from . import symm_mem_allreduce_rmsnorm as symm
+
+        try:
+            return symm.fused_allreduce_rmsnorm_symm(
+                x, residual, bias, weight, eps=eps, group_name=group_name,
+                residual_dtype=residual_dtype, out_dtype=out_dtype, mid_dtype=mid_dtype,
+                weight_offset=weight_offset, residual_in_sharded=residual_in_sharded,
+                residual_out_sharded=residual_out_sharded, num_ctas=comm_ctas, variant=kernel,
+            )
+        except symm.WorkspaceUnavailable as e:
+            _log_fallback_once(kernel, str(e))
+    elif kernel not in KERNELS:
+        raise ValueError(f"weave::allreduce_add_rmsnorm: unknown kernel {kernel!r}; valid: {KERNELS}")
+    return reference_impl(*args)
+
+
+@functools.lru_cache(maxsize=64)
+def _log_fallback_once(kernel: str, reason: str) -> None:
+    log.warning("weave::allreduce_add_rmsnorm: %s kernel fell back to reference: %s", kernel, reason)
+
+
+@allreduce_add_rmsnorm.register_fake
+def _(x, residual, bias, weight, eps, group_name, residual_dtype, out_dtype, mid_dtype,
+      weight_offset, residual_in_sharded, residual_out_sharded, kernel, comm_ctas):
+    normed = x.new_empty(x.shape, dtype=out_dtype)
+    if residual_out_sharded:
+        per_rank = rows_per_rank(_num_rows(x), group_size(group_name))
+        return normed, x.new_empty((per_rank, x.shape[-1]), dtype=residual_dtype)
+    return normed, x.new_empty(x.shape, dtype=residual_dtype)
+
+
+# ----------------------------------------------------------------------------- float64 oracle
+
+
+def allreduce_add_rmsnorm_ref(
+    partials: list[torch.Tensor],
+    residual: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    weight: Optional[torch.Tensor] = None,
+    eps: float = 1e-6,
+    weight_offset: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Single-process float64 reference of the contract from every rank's partial sum."""
+    acc = torch.stack([p.double() for p in partials]).sum(0)
+    if bias is not None:
+        acc = acc + bias.double()
+    if residual is not None:
+        acc = acc + residual.double()
+    y = acc * torch.rsqrt(acc.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * (weight.double() + weight_offset)
+    return y, acc

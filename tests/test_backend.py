@@ -1,0 +1,87 @@
+"""The backend as users meet it: found by name, options validated, identical to Inductor when idle."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
+
+
+def test_backend_found_by_name_in_a_fresh_interpreter_without_importing_the_package():
+    code = ("import sys, torch\n"
+            "out = torch.compile(lambda x: x + 1, backend='tokenweave')(torch.ones(2))\n"
+            "assert out.tolist() == [2.0, 2.0], out\n"
+            "assert 'tokenweave' in torch._dynamo.list_backends()\n"
+            "print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_unknown_option_is_a_clear_error_through_torch_compile():
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as e:
+        torch.compile(lambda x: x * 2, backend="tokenweave", options={"comm_cta": 4})(torch.ones(3))
+    assert "comm_cta" in str(e.value) and "valid keys" in str(e.value) and "comm_ctas" in str(e.value)
+
+
+def test_wrong_option_type_is_a_clear_error_through_torch_compile():
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="'comm_ctas' must be int"):
+        torch.compile(lambda x: x * 2, backend="tokenweave", options={"comm_ctas": "8"})(torch.ones(3))
+
+
+class NoCollectives(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.w = nn.Parameter(torch.randn(32))
+
+    def forward(self, x):
+        h = self.lin(x) + x
+        hf = h.float()
+        return self.w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def _same_as_inductor():
+    import weave_compile
+
+    torch.manual_seed(0)
+    m = NoCollectives()
+    x = torch.randn(7, 32)
+    with torch.no_grad():
+        torch._dynamo.reset()
+        weave_compile.reset()
+        ours = torch.compile(m, backend="tokenweave")(x)
+        torch._dynamo.reset()
+        default = torch.compile(m)(x)
+    return ours, default, weave_compile.explain()
+
+
+def test_no_process_group_is_plain_inductor():
+    ours, default, report = _same_as_inductor()
+    assert torch.equal(ours, default)
+    assert report.graphs[0].note.startswith("no process group")
+
+
+def _same_as_inductor_on_ranks(rank, world_size):
+    ours, default, report = _same_as_inductor()
+    return torch.equal(ours, default), report.matched_count, len(report.sites)
+
+
+def test_model_without_all_reduce_equals_default_inductor_on_2_ranks():
+    for equal, matched, sites in assert_ranks_ok(run_ranks(_same_as_inductor_on_ranks, 2, timeout=300)):
+        assert equal and matched == 0 and sites == 0
+
+
+def test_pass_manager_uuid_covers_config():
+    from weave_compile.config import TokenWeaveConfig
+    from weave_compile.passes.pass_manager import WeavePassManager
+
+    a = WeavePassManager(TokenWeaveConfig()).uuid()
+    assert a == WeavePassManager(TokenWeaveConfig()).uuid()
+    assert a != WeavePassManager(TokenWeaveConfig(comm_ctas=4)).uuid()
+    assert a != WeavePassManager(TokenWeaveConfig(kernel="reference")).uuid()

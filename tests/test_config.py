@@ -1,0 +1,43 @@
+import pytest
+
+from weave_compile.config import TokenWeaveConfig
+
+
+def test_defaults_and_valid_keys():
+    cfg = TokenWeaveConfig.from_options(None)
+    assert cfg == TokenWeaveConfig()
+    assert set(TokenWeaveConfig.valid_keys()) == {"fuse", "shard_residual", "kernel", "comm_ctas", "compiler"}
+
+
+def test_unknown_key_lists_valid_keys():
+    with pytest.raises(ValueError) as e:
+        TokenWeaveConfig.from_options({"kernal": "p2p"})
+    assert "kernal" in str(e.value)
+    for key in TokenWeaveConfig.valid_keys():
+        assert key in str(e.value)
+
+
+@pytest.mark.parametrize("key,value", [
+    ("comm_ctas", "8"), ("comm_ctas", 8.0), ("comm_ctas", True), ("fuse", 1), ("shard_residual", "yes"),
+])
+def test_wrong_type(key, value):
+    with pytest.raises(TypeError, match=key):
+        TokenWeaveConfig.from_options({key: value})
+
+
+@pytest.mark.parametrize("key,value", [("kernel", "nccl"), ("compiler", "eager"), ("comm_ctas", 0), ("comm_ctas", 1000)])
+def test_bad_value(key, value):
+    with pytest.raises(ValueError, match=key):
+        TokenWeaveConfig.from_options({key: value})
+
+
+def test_options_reach_config_and_cache_key_changes():
+    a = TokenWeaveConfig.from_options({"kernel": "reference", "comm_ctas": 4})
+    assert (a.kernel, a.comm_ctas) == ("reference", 4)
+    assert a.cache_key() != TokenWeaveConfig().cache_key()
+    assert a.cache_key() == TokenWeaveConfig(kernel="reference", comm_ctas=4).cache_key()
+
+
+def test_non_dict_options_rejected():
+    with pytest.raises(TypeError, match="dict"):
+        TokenWeaveConfig.from_options(["kernel"])

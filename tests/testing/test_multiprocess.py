@@ -1,0 +1,64 @@
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
+
+
+def _sum_ranks(rank, world_size, offset):
+    t = torch.tensor([float(rank + offset)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _hang_on_rank_1(rank, world_size):
+    if rank == 1:
+        time.sleep(3600)
+    return rank
+
+
+def _fail_on_rank_0(rank, world_size):
+    if rank == 0:
+        raise RuntimeError("deliberate failure on rank 0")
+    t = torch.ones(1)
+    dist.all_reduce(t)  # blocks: rank 0 never joins
+    return rank
+
+
+def _crash_on_rank_1(rank, world_size):
+    if rank == 1:
+        os._exit(3)
+    return rank
+
+
+def test_values_from_every_rank():
+    assert assert_ranks_ok(run_ranks(_sum_ranks, 2, args=(10,), timeout=60)) == [21.0, 21.0]
+
+
+def test_hanging_rank_becomes_a_failed_result_within_timeout():
+    start = time.monotonic()
+    results = run_ranks(_hang_on_rank_1, 2, timeout=20)
+    elapsed = time.monotonic() - start
+    assert results[0].ok and results[0].value == 0
+    assert results[1].timed_out and not results[1].ok
+    assert elapsed < 20 + 15, f"harness took {elapsed:.0f} s to give up on a hanging rank"
+    with pytest.raises(AssertionError, match="timed out"):
+        assert_ranks_ok(results)
+
+
+def test_exception_is_reported_and_blocked_peer_is_killed():
+    start = time.monotonic()
+    results = run_ranks(_fail_on_rank_0, 2, timeout=120)
+    assert "deliberate failure on rank 0" in results[0].error
+    assert not results[1].ok
+    # The peer blocked in all_reduce is given a short grace, not the whole timeout.
+    assert time.monotonic() - start < 60
+
+
+def test_crashed_rank_is_reported():
+    results = run_ranks(_crash_on_rank_1, 2, timeout=60)
+    assert results[0].ok
+    assert not results[1].ok and "exited with code 3" in results[1].error

@@ -1,0 +1,18 @@
+"""weave_compile: TokenWeave (fused AllReduce-RMSNorm, token-split overlap) as a torch.compile backend.
+
+Use it with ``torch.compile(model, backend="tokenweave", options={...})``; see README.md.
+"""
+
+from weave_compile.config import TokenWeaveConfig
+from weave_compile.report import explain, reset
+
+__all__ = ["TokenWeaveConfig", "explain", "reset", "tokenweave_backend"]
+
+
+def __getattr__(name):
+    # Lazy: importing the package must not pull in Inductor.
+    if name == "tokenweave_backend":
+        from weave_compile.backend import tokenweave_backend
+
+        return tokenweave_backend
+    raise AttributeError(name)

@@ -1,0 +1,84 @@
+"""Typed options of the ``tokenweave`` backend.
+
+``torch.compile(model, backend="tokenweave", options={...})`` hands the dict to
+:meth:`TokenWeaveConfig.from_options`, which rejects unknown keys and wrong types with an
+error that lists every valid key: a misspelt option must never be silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any, Literal, get_args, get_type_hints
+
+KernelChoice = Literal["auto", "reference", "p2p", "multimem"]
+Compiler = Literal["inductor", "aot_eager"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenWeaveConfig:
+    """Options of the ``tokenweave`` backend. Every field is documented in README.md."""
+
+    #: Rewrite ``all_reduce -> (+bias) -> (+residual) -> RMSNorm`` into one fused op.
+    fuse: bool = True
+    #: Keep the residual stream sharded by token rows between fused sites whose only
+    #: consumer of the residual is the next fused site.
+    shard_residual: bool = True
+    #: Implementation of the fused op: ``auto`` picks multimem > p2p > reference by
+    #: capability, size and dtype; the others force one (a forced kernel that cannot run
+    #: falls back to ``reference`` with a logged reason).
+    kernel: KernelChoice = "auto"
+    #: Thread blocks the fused communication kernel may occupy (TokenWeave: 2-8 while
+    #: overlapping, 16 otherwise).
+    comm_ctas: int = 16
+    #: What compiles the rewritten graph: ``inductor`` (the product) or ``aot_eager``
+    #: (runs the rewritten ATen graph op by op; for debugging and fast tests).
+    compiler: Compiler = "inductor"
+
+    def __post_init__(self) -> None:
+        hints = get_type_hints(type(self))
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            _check_type(field.name, value, hints[field.name])
+        if self.comm_ctas < 1 or self.comm_ctas > 128:
+            raise ValueError(f"tokenweave option 'comm_ctas' must be in [1, 128], got {self.comm_ctas}")
+
+    @classmethod
+    def valid_keys(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any] | TokenWeaveConfig | None) -> TokenWeaveConfig:
+        if options is None:
+            return cls()
+        if isinstance(options, cls):
+            return options
+        if not isinstance(options, dict):
+            raise TypeError(
+                f"tokenweave options must be a dict or TokenWeaveConfig, got {type(options).__name__}"
+            )
+        unknown = sorted(set(options) - set(cls.valid_keys()))
+        if unknown:
+            raise ValueError(
+                f"unknown tokenweave option(s) {unknown}; valid keys: {cls.valid_keys()}"
+            )
+        return cls(**options)
+
+    def cache_key(self) -> str:
+        """A stable digest of every option, part of the Inductor FX-graph-cache key."""
+        payload = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _check_type(name: str, value: Any, hint: Any) -> None:
+    allowed = get_args(hint)
+    if allowed and all(isinstance(a, str) for a in allowed):  # a Literal of strings
+        if value not in allowed:
+            raise ValueError(f"tokenweave option {name!r} must be one of {list(allowed)}, got {value!r}")
+        return
+    # bool is a subclass of int: an int option given True is a mistake, not a 1.
+    if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise TypeError(f"tokenweave option {name!r} must be int, got {type(value).__name__} {value!r}")
+    if hint is bool and not isinstance(value, bool):
+        raise TypeError(f"tokenweave option {name!r} must be bool, got {type(value).__name__} {value!r}")

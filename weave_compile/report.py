@@ -1,0 +1,98 @@
+"""What the backend found and did, for ``weave_compile.explain()``.
+
+Every all_reduce site the passes look at gets a :class:`SiteReport`: fused or not and why, the
+kernel chosen and why, whether its residual stays sharded. A :class:`GraphReport` groups the
+sites of one compiled graph. Reports accumulate in this process until :func:`reset`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Optional
+
+
+@dataclasses.dataclass
+class SiteReport:
+    node: str  # name of the all_reduce node in the post-grad graph
+    group: str
+    fused: bool
+    reason: str  # the matched form if fused, why not otherwise
+    kernel: str = "-"
+    kernel_reason: str = ""
+    residual: str = "-"  # "full" | "in sharded" | "out sharded" | "in+out sharded"
+    split: str = "not split"
+
+    def row(self) -> list[str]:
+        return [self.node, self.group, "yes" if self.fused else "no", self.reason,
+                f"{self.kernel} ({self.kernel_reason})" if self.kernel_reason else self.kernel,
+                self.residual, self.split]
+
+
+@dataclasses.dataclass
+class GraphReport:
+    graph_id: int
+    compiler: str
+    note: str = ""
+    sites: list[SiteReport] = dataclasses.field(default_factory=list)
+    #: ``{"all_reduce": (before, after), "weave.allreduce_add_rmsnorm": (before, after)}``
+    op_counts: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def matched_count(self) -> int:
+        return sum(s.fused for s in self.sites)
+
+
+@dataclasses.dataclass
+class WeaveReport:
+    graphs: list[GraphReport] = dataclasses.field(default_factory=list)
+
+    @property
+    def sites(self) -> list[SiteReport]:
+        return [s for g in self.graphs for s in g.sites]
+
+    @property
+    def matched_count(self) -> int:
+        return sum(g.matched_count for g in self.graphs)
+
+    def __str__(self) -> str:
+        header = ["site", "group", "fused", "form / reason", "kernel", "residual", "split"]
+        lines = [f"tokenweave: {len(self.graphs)} graph(s), {len(self.sites)} all_reduce site(s), "
+                 f"{self.matched_count} fused"]
+        for g in self.graphs:
+            counts = ", ".join(f"{k} {a}->{b}" for k, (a, b) in g.op_counts.items())
+            lines.append(f"graph {g.graph_id} [{g.compiler}]" + (f": {g.note}" if g.note else "")
+                         + (f" ({counts})" if counts else ""))
+            rows = [header] + [s.row() for s in g.sites]
+            if len(rows) == 1:
+                continue
+            widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+            for r in rows:
+                lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        return "\n".join(lines)
+
+
+_lock = threading.Lock()
+_report = WeaveReport()
+
+
+def new_graph(compiler: str, note: str = "") -> GraphReport:
+    with _lock:
+        g = GraphReport(graph_id=len(_report.graphs), compiler=compiler, note=note)
+        _report.graphs.append(g)
+        return g
+
+
+def explain() -> WeaveReport:
+    """The report of every graph compiled by the tokenweave backend since the last :func:`reset`."""
+    with _lock:
+        return WeaveReport(graphs=list(_report.graphs))
+
+
+def reset() -> None:
+    with _lock:
+        _report.graphs.clear()
+
+
+def current_or_none(graph: Optional[GraphReport]) -> GraphReport:
+    return graph if graph is not None else new_graph("standalone pass")

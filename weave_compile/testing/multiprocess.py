@@ -1,0 +1,129 @@
+"""Run a function on N ranks in spawned processes, with a hard timeout.
+
+``run_ranks(fn, world_size=2)`` starts one process per rank, initializes a process group
+(gloo on CPU by default, NCCL with one GPU per rank when asked), calls ``fn(rank, world_size,
+*args)`` and returns one :class:`RankResult` per rank: the value, or the exception's traceback.
+A rank that does not finish before the deadline is killed together with every other rank and
+reported as timed out, so a hang fails a test instead of stalling CI.
+
+``fn`` and its arguments travel by pickle, so ``fn`` must be a module-level function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+# Ranks share the machine: keep each to one intra-op thread so two ranks on two cores do not
+# oversubscribe (and Inductor's C++ compile workers stay in-process).
+_CHILD_ENV = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+# Once one rank has failed, its peers are likely blocked in a collective: give them this long.
+_GRACE_AFTER_ERROR_S = 15.0
+
+
+@dataclasses.dataclass
+class RankResult:
+    rank: int
+    value: Any = None
+    error: Optional[str] = None  # formatted traceback
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.timed_out
+
+
+def _child(fn, rank, world_size, args, backend, store_path, timeout_s, env, out_q):
+    os.environ.update(env)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        try:
+            value = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        payload = pickle.dumps(("ok", value))
+    except BaseException:  # report everything, including KeyboardInterrupt/SystemExit
+        payload = pickle.dumps(("error", traceback.format_exc()))
+    out_q.put((rank, payload))
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *,
+    args: tuple = (),
+    timeout: float = 300.0,
+    backend: str = "gloo",
+    env: Optional[dict[str, str]] = None,
+) -> list[RankResult]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; kill all after ``timeout`` s."""
+    ctx = mp.get_context("spawn")
+    out_q = ctx.Queue()
+    child_env = {**_CHILD_ENV, **(env or {})}
+    with tempfile.TemporaryDirectory(prefix="weave_ranks_") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_child, args=(fn, r, world_size, args, backend, store, timeout, child_env, out_q),
+                        daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        results = {r: RankResult(rank=r) for r in range(world_size)}
+        pending = set(range(world_size))
+        deadline = time.monotonic() + timeout
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                rank, payload = out_q.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                # A rank that died without reporting (segfault, os._exit) will never report.
+                for r in list(pending):
+                    if not procs[r].is_alive() and procs[r].exitcode not in (None, 0):
+                        results[r].error = f"rank {r} exited with code {procs[r].exitcode} without a result"
+                        pending.discard(r)
+                continue
+            status, value = pickle.loads(payload)
+            if status == "ok":
+                results[rank].value = value
+            else:
+                results[rank].error = value
+                deadline = min(deadline, time.monotonic() + _GRACE_AFTER_ERROR_S)
+            pending.discard(rank)
+        for r in pending:
+            results[r].timed_out = True
+            results[r].error = (f"rank {r} did not finish before the deadline ({timeout:.0f} s, or a "
+                                f"{_GRACE_AFTER_ERROR_S:.0f} s grace after another rank failed)")
+        for p in procs:
+            p.join(timeout=5 if not pending else 0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return [results[r] for r in range(world_size)]
+
+
+def assert_ranks_ok(results: list[RankResult]) -> list[Any]:
+    """Every rank's value; an AssertionError with every failing rank's traceback otherwise."""
+    failed = [r for r in results if not r.ok]
+    if failed:
+        msg = "\n".join(f"--- rank {r.rank}{' (timed out)' if r.timed_out else ''}:\n{r.error}" for r in failed)
+        raise AssertionError(f"{len(failed)} of {len(results)} ranks failed:\n{msg}")
+    return [r.value for r in results]
