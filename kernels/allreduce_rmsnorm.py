@@ -34,7 +34,6 @@ import logging
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
@@ -159,9 +158,14 @@ def reference_impl(
 
 
 def select_kernel(
-    requested: str, device: torch.device, dtype: torch.dtype, hidden: int, group_name: str
+    requested: str, device: torch.device, dtypes: tuple[torch.dtype, ...], hidden: int, group_name: str
 ) -> tuple[str, str]:
-    """Pick the implementation at compile time; returns ``(kernel, reason)`` for the explain report."""
+    """Pick the implementation at compile time; returns ``(kernel, reason)`` for the explain report.
+
+    ``dtypes`` are the input's, the residual's and the output's. On CUDA this rendezvous-es a
+    probe buffer on first use (collective): every rank compiles the same graphs, so every rank
+    gets here together.
+    """
     if requested == "reference":
         return "reference", "requested"
     if device.type != "cuda":
@@ -170,7 +174,10 @@ def select_kernel(
         from . import symm_mem_allreduce_rmsnorm as symm
     except Exception as e:  # triton or symmetric memory unavailable
         return "reference", f"symmetric-memory kernels unavailable ({type(e).__name__}: {e})"
-    variant, reason = symm.select_symm_variant(group_name, device, dtype, hidden)
+    variant, reason = symm.select_symm_variant(group_name, device, dtypes[0], hidden)
+    for dt in dtypes[1:]:
+        if variant is not None and (dt not in symm.SUPPORTED_DTYPES or hidden % symm.vector_width(dt)):
+            variant, reason = None, f"{dt} output/residual unsupported at hidden {hidden}"
     if variant is None:
         return "reference", reason
     if requested == "auto":
@@ -208,15 +215,23 @@ def allreduce_add_rmsnorm(
     if kernel in ("p2p", "multimem") and x.is_cuda:
         from . import symm_mem_allreduce_rmsnorm as symm
 
+        hidden = x.shape[-1]
         try:
-            return symm.fused_allreduce_rmsnorm_symm(
-                x, residual, bias, weight, eps=eps, group_name=group_name,
-                residual_dtype=residual_dtype, out_dtype=out_dtype, mid_dtype=mid_dtype,
-                weight_offset=weight_offset, residual_in_sharded=residual_in_sharded,
+            normed, residual_out = symm.fused_allreduce_rmsnorm_symm(
+                x.reshape(-1, hidden),
+                None if residual is None else (residual if residual_in_sharded else residual.reshape(-1, hidden)),
+                None if bias is None else bias.reshape(hidden),
+                None if weight is None else weight.reshape(hidden),
+                eps=eps, group_name=group_name, residual_dtype=residual_dtype, out_dtype=out_dtype,
+                mid_dtype=mid_dtype, weight_offset=weight_offset, residual_in_sharded=residual_in_sharded,
                 residual_out_sharded=residual_out_sharded, num_ctas=comm_ctas, variant=kernel,
             )
-        except symm.WorkspaceUnavailable as e:
+        except symm.SymmCapacityError as e:
+            # The workspace cannot grow inside CUDA-graph capture: the collective path can.
             _log_fallback_once(kernel, str(e))
+        else:
+            normed = normed.reshape(x.shape)
+            return normed, (residual_out if residual_out_sharded else residual_out.reshape(x.shape))
     elif kernel not in KERNELS:
         raise ValueError(f"weave::allreduce_add_rmsnorm: unknown kernel {kernel!r}; valid: {KERNELS}")
     return reference_impl(*args)

@@ -320,7 +320,8 @@ class FuseAllReduceRMSNormPass:
         tx = val(x)
         tres, tout = val(res_node), val(norm_out)
         group = m.all_reduce.args[2]
-        kernel, kernel_reason = select_kernel(self.config.kernel, tx.device, tx.dtype, tx.shape[-1], group)
+        kernel, kernel_reason = select_kernel(self.config.kernel, tx.device, (tx.dtype, tres.dtype, tout.dtype),
+                                              tx.shape[-1], group)
         # Replay the chain's views on x so the op sees the residual's shape.
         xin = x
         insert_after = anchor

@@ -5,7 +5,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks

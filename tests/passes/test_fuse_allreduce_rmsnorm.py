@@ -4,9 +4,7 @@ Each test runs all its cases inside one ``run_ranks`` call (spawning ranks costs
 returns plain data; the assertions run in the test process.
 """
 
-import random
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
