@@ -10,16 +10,19 @@ Variants (bf16, weight-only RMSNorm with a residual, eps 1e-6):
 * ``symm_2shot+norm``   copy into a symmetric buffer + ``symm_mem.two_shot_all_reduce_``
                         + torch.compile'd add+RMSNorm
 * ``symm_2shot``        ``two_shot_all_reduce_`` alone, in place (communication only)
-* ``fused_symm``        ours (``fused_allreduce_rmsnorm_symm``, p2p) as compiled models run it:
-                        residual sharded by token rows in and out (TokenWeave's layout), one
-                        row per CTA count; includes the staging copy in and the copy out
+* ``fused_symm``        ours (``fused_allreduce_rmsnorm_symm``, p2p push kernel) as compiled
+                        models run it: residual sharded by token rows in and out
+                        (TokenWeave's layout), one row per CTA count; x is read in place and
+                        the outputs written in place (no staging copy, no copy out)
 * ``fused_symm_full``   ours with a full residual in and out (all-gathered too: 1.5x the
                         NVLink bytes), at ``--full-ctas``
-* ``fused_symm_zc``     ``fused_symm`` with ``x`` already in the symmetric input buffer (no copy in)
+* ``fused_pull``        the pull kernel (peer loads; multimem's sibling) at ``--zc-ctas``, with
+                        its staging copy in and copy out
+* ``fused_pull_zc``     the same with ``x`` already in the symmetric input buffer (no copy in)
 
 Each point: warm-up, then ``--repeats`` x (barrier, synchronise, CUDA events around
-``iters`` back-to-back calls); the per-call mean of each repeat, median over repeats,
-max over ranks.  Rank 0 writes ``<out>/allreduce_rmsnorm.csv`` and ``.png`` and prints a
+``iters`` back-to-back calls, replayed from a CUDA graph unless ``--mode eager``); the
+per-call mean of each repeat, median over repeats, max over ranks.  Rank 0 writes ``<out>/allreduce_rmsnorm.csv`` and ``.png`` and prints a
 table.  ``--plot-only CSV`` redraws the table/plot from an existing CSV (no GPU needed).
 
 Never runs the multimem variant: NVLink multicast stays disabled in this process.
@@ -46,7 +49,7 @@ logger = logging.getLogger("bench_allreduce_rmsnorm")
 HERE = os.path.dirname(os.path.abspath(__file__))
 CSV_NAME = "allreduce_rmsnorm.csv"
 PNG_NAME = "allreduce_rmsnorm.png"
-COLUMNS = ["gpu", "torch", "triton", "git_commit", "date", "world_size", "dtype", "H", "T",
+COLUMNS = ["gpu", "torch", "triton", "git_commit", "date", "world_size", "dtype", "mode", "H", "T",
            "variant", "ctas", "us"]
 EPS = 1e-6
 
@@ -61,6 +64,8 @@ def add_rmsnorm(x, residual, weight, eps: float = EPS):
 
 
 def git_commit() -> str:
+    if os.environ.get("WEAVE_GIT_COMMIT"):  # the device copy of the tree has no .git
+        return os.environ["WEAVE_GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
                               capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
@@ -74,22 +79,38 @@ def iters_for(T: int, H: int) -> int:
 
 
 class Timer:
-    def __init__(self, dist, repeats: int, warmup: int):
-        self.dist, self.repeats, self.warmup = dist, repeats, warmup
+    """Median per-call time of ``fn`` over ``repeats`` timings of ``iters`` back-to-back calls.
+
+    ``graph=True`` (default) captures the ``iters`` calls in a CUDA graph and times its
+    replays: GPU time without Python launch overhead, as serving engines run it. ``False``
+    times eager launches (host overhead included)."""
+
+    def __init__(self, dist, repeats: int, warmup: int, graph: bool = True):
+        self.dist, self.repeats, self.warmup, self.graph = dist, repeats, warmup, graph
 
     def __call__(self, fn, iters: int) -> float:
         dist = self.dist
         for _ in range(self.warmup):
             fn()
         torch.cuda.synchronize()
+        run = lambda: [fn() for _ in range(iters)]  # noqa: E731
+        if self.graph:
+            g = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            dist.barrier()
+            with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
+                run()
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            run = g.replay
         per_call = []
         for _ in range(self.repeats):
             dist.barrier()
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for _ in range(iters):
-                fn()
+            run()
             end.record()
             end.synchronize()
             per_call.append(start.elapsed_time(end) * 1e3 / iters)
@@ -114,7 +135,7 @@ def run(args) -> None:
     meta = dict(gpu=torch.cuda.get_device_name(dev), torch=torch.__version__,
                 triton=_triton_version(), git_commit=git_commit(),
                 date=datetime.datetime.now().isoformat(timespec="seconds"), world_size=world,
-                dtype="bf16")
+                dtype="bf16", mode=args.mode)
 
     variant, reason = arn.select_symm_variant(group_name, dev, dtype, max(args.hidden))
     if rank == 0:
@@ -123,8 +144,10 @@ def run(args) -> None:
         if variant == "multimem":
             print("# multicast present, but this benchmark only runs the p2p variant", flush=True)
     run_ours = variant is not None
+    if args.explore_warps:
+        _explore_warps(arn, dist, group_name, dev, rank, world, dtype, args)
     compiled_norm = torch.compile(add_rmsnorm, dynamic=True)
-    timer = Timer(dist, args.repeats, args.warmup)
+    timer = Timer(dist, args.repeats, args.warmup, graph=args.mode == "graph")
     rows = []
     for H in args.hidden:
         Tmax = max(args.tokens)
@@ -164,17 +187,26 @@ def run(args) -> None:
                     points.append(("fused_symm", c, lambda c=c: arn.fused_allreduce_rmsnorm_symm(
                         x, res_shard, None, weight, eps=EPS, group_name=group_name,
                         num_ctas=c, variant="p2p", **sharded)))
+                for c in args.ce_ctas:
+                    points.append(("fused_ce", c, lambda c=c: arn.fused_allreduce_rmsnorm_symm(
+                        x, res_shard, None, weight, eps=EPS, group_name=group_name,
+                        num_ctas=c, variant="p2p_ce", **sharded)))
                 for c in args.full_ctas:
                     points.append(("fused_symm_full", c, lambda c=c: arn.fused_allreduce_rmsnorm_symm(
                         x, residual, None, weight, eps=EPS, group_name=group_name,
                         num_ctas=c, variant="p2p")))
+                # The load-based sibling of multimem, with the staging copy and with x
+                # already in the symmetric input buffer (zero-copy producer).
+                points.append(("fused_pull", args.zc_ctas, lambda: arn.fused_allreduce_rmsnorm_symm(
+                    x, res_shard, None, weight, eps=EPS, group_name=group_name,
+                    num_ctas=args.zc_ctas, variant="p2p_pull", **sharded)))
                 zc_in = arn.input_buffer(group_name, dtype, T, H, device=dev)
                 zc_in.copy_(x)
-                points.append(("fused_symm_zc", args.zc_ctas,
+                points.append(("fused_pull_zc", args.zc_ctas,
                                lambda: arn.fused_allreduce_rmsnorm_symm(
                                    zc_in, res_shard, None, weight, eps=EPS,
                                    group_name=group_name, num_ctas=args.zc_ctas,
-                                   variant="p2p", **sharded)))
+                                   variant="p2p_pull", **sharded)))
             for name, ctas, fn in points:
                 us = timer(fn, iters)
                 rows.append(dict(meta, H=H, T=T, variant=name, ctas=ctas, us=round(us, 2)))
@@ -202,6 +234,28 @@ def run(args) -> None:
     dist.destroy_process_group()
 
 
+def _explore_warps(arn, dist, group_name, dev, rank, world, dtype, args) -> None:
+    """Push kernel, sharded residual: time num_warps choices against the default heuristic."""
+    timer = Timer(dist, args.repeats, args.warmup, graph=args.mode == "graph")
+    for H in (4096, 8192):
+        weight = torch.randn(H, device=dev, generator=torch.Generator(device=dev).manual_seed(H)).to(dtype)
+        arn.reserve(group_name, dtype, H, 8192, device=dev)
+        for T in (2048, 8192):
+            x = torch.randn(T, H, device=dev, dtype=dtype)
+            S = math.ceil(T / world)
+            res = torch.randn(S, H, device=dev, dtype=dtype)
+            for c in (8, 32):
+                line = []
+                for w in (None, 4, 8, 16, 32):
+                    us = timer(lambda: arn.fused_allreduce_rmsnorm_symm(
+                        x, res, None, weight, eps=EPS, group_name=group_name, num_ctas=c,
+                        variant="p2p", residual_in_sharded=True, residual_out_sharded=True,
+                        num_warps=w), iters_for(T, H))
+                    line.append(f"w{w or 'auto'}={us:7.1f}")
+                if rank == 0:
+                    print(f"# explore H={H} T={T} ctas={c}: " + " ".join(line), flush=True)
+
+
 def _import_kernel_module():
     # The package must be installed (pip install -e .): kernels/ installs as weave_compile.kernels.
     from weave_compile.kernels import symm_mem_allreduce_rmsnorm
@@ -210,22 +264,23 @@ def _import_kernel_module():
 
 
 def _sanity_check(arn, dist, group_name, T, H, weight, dev, rank):
-    """Ours vs NCCL + eager add/RMSNorm on fresh data (prints max abs diff on rank 0)."""
+    """Each variant vs NCCL + eager add/RMSNorm on fresh data (prints max abs diff on rank 0)."""
     g = torch.Generator(device=dev).manual_seed(77 + rank)
     x = torch.randn(T, H, generator=g, device=dev).to(torch.bfloat16)
     residual = torch.randn(T, H, device=dev, generator=torch.Generator(device=dev).manual_seed(5)
                            ).to(torch.bfloat16)
-    n1, r1 = arn.fused_allreduce_rmsnorm_symm(x, residual, None, weight, eps=EPS,
-                                              group_name=group_name, variant="p2p")
     y = x.clone()
     dist.all_reduce(y)
     n2, r2 = add_rmsnorm(y, residual, weight)
-    d = torch.tensor([(n1.float() - n2.float()).abs().max().item(),
-                      (r1.float() - r2.float()).abs().max().item()], device=dev)
-    dist.all_reduce(d, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        print(f"# sanity H={H} T={T}: max|normed - ref| = {d[0].item():.3g}, "
-              f"max|residual - ref| = {d[1].item():.3g} (bf16: ~1-2 ulp expected)", flush=True)
+    for variant in ("p2p", "p2p_ce", "p2p_pull"):
+        n1, r1 = arn.fused_allreduce_rmsnorm_symm(x, residual, None, weight, eps=EPS,
+                                                  group_name=group_name, variant=variant)
+        d = torch.tensor([(n1.float() - n2.float()).abs().max().item(),
+                          (r1.float() - r2.float()).abs().max().item()], device=dev)
+        dist.all_reduce(d, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            print(f"# sanity {variant} H={H} T={T}: max|normed - ref| = {d[0].item():.3g}, "
+                  f"max|residual - ref| = {d[1].item():.3g} (bf16: ~1-2 ulp expected)", flush=True)
 
 
 def _triton_version() -> str:
@@ -245,19 +300,20 @@ def print_table(rows) -> None:
     ctas = sorted({int(r["ctas"]) for r in rows if r["variant"] == "fused_symm"})
     head = (f"{'H':>5s} {'T':>6s} {'nccl+norm':>10s} {'2shot+norm':>10s} {'2shot':>8s} "
             + " ".join(f"{'ours c' + str(c):>9s}" for c in ctas)
-            + f" {'ours zc':>8s} {'full best':>9s} {'best':>8s} {'vs nccl':>7s} {'vs 2shot':>8s}")
+            + f" {'ce c2':>8s} {'ce c8':>8s} {'ce c32':>8s} {'pull zc':>8s} {'full best':>9s} {'best':>8s} {'vs nccl':>7s} {'vs 2shot':>8s}")
     print(head)
     for (H, T), v in sorted(by.items()):
         ours = [v[("fused_symm", c)] for c in ctas if ("fused_symm", c) in v]
         best = min(ours) if ours else float("nan")
-        zc = next((u for (n, _), u in v.items() if n == "fused_symm_zc"), float("nan"))
+        zc = next((u for (n, _), u in v.items() if n == "fused_pull_zc"), float("nan"))
         full = min((u for (n, _), u in v.items() if n == "fused_symm_full"), default=float("nan"))
+        ce = " ".join(f"{v.get(('fused_ce', c), float('nan')):8.1f}" for c in (2, 8, 32))
         base = v.get(("nccl_ar+norm", 0), float("nan"))
         two_shot = v.get(("symm_2shot", 0), float("nan"))
         print(f"{H:5d} {T:6d} {base:10.1f} {v.get(('symm_2shot+norm', 0), float('nan')):10.1f} "
               f"{v.get(('symm_2shot', 0), float('nan')):8.1f} "
               + " ".join(f"{v.get(('fused_symm', c), float('nan')):9.1f}" for c in ctas)
-              + f" {zc:8.1f} {full:9.1f} {best:8.1f} {best / base if ours else float('nan'):6.2f}x"
+              + f" {ce} {zc:8.1f} {full:9.1f} {best:8.1f} {best / base if ours else float('nan'):6.2f}x"
               f" {best / two_shot if ours else float('nan'):7.2f}x")
 
 
@@ -275,8 +331,11 @@ def plot(rows, path: str) -> None:
     styles = {"nccl_ar+norm": ("NCCL AR + compiled add&RMSNorm", "k", "-o"),
               "symm_2shot+norm": ("symm two-shot AR + compiled add&RMSNorm", "tab:blue", "-s"),
               "symm_2shot": ("symm two-shot AR only", "tab:blue", ":^"),
-              "fused_symm_zc": ("fused (ours, zero-copy input)", "tab:green", "--D"),
+              "fused_pull": ("fused, pull kernel (multimem's sibling)", "tab:green", "--o"),
+              "fused_pull_zc": ("fused, pull kernel, zero-copy input", "tab:green", "--D"),
               "fused_symm_full": ("fused (ours, full residual)", "tab:purple", ":x")}
+    for c in (2, 8, 32):
+        styles[("fused_ce", c)] = (f"fused, copy-engine variant, {c} CTAs", "tab:orange", "-.")
     for ax, H in zip(axes[0], hs):
         sub = [r for r in rows if int(r["H"]) == H]
         Ts = sorted({int(r["T"]) for r in sub})
@@ -287,7 +346,7 @@ def plot(rows, path: str) -> None:
             return [t for t in Ts if t in pts], [pts[t] for t in Ts if t in pts]
 
         for v, (label, color, st) in styles.items():
-            xs, ys = series(v)
+            xs, ys = series(*v) if isinstance(v, tuple) else series(v)
             if xs:
                 ax.plot(xs, ys, st, color=color, label=label, ms=4)
         ctas = sorted({int(r["ctas"]) for r in sub if r["variant"] == "fused_symm"})
@@ -326,8 +385,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+",
                     default=[128, 512, 1024, 2048, 4096, 8192, 16384])
     ap.add_argument("--ctas", type=int, nargs="+", default=[2, 4, 8, 16, 32])
-    ap.add_argument("--zc-ctas", type=int, default=16)
+    ap.add_argument("--zc-ctas", type=int, default=32, help="CTAs of the pull-kernel rows")
+    ap.add_argument("--explore-warps", action="store_true",
+                    help="first time the push kernel at several num_warps (tuning aid)")
+    ap.add_argument("--mode", choices=["graph", "eager"], default="graph",
+                    help="time CUDA-graph replays (GPU time) or eager launches (default graph)")
     ap.add_argument("--full-ctas", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--ce-ctas", type=int, nargs="+", default=[2, 8, 32],
+                    help="CTAs of the copy-engine variant's local add+norm kernel")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--check-tokens", type=int, default=1024,

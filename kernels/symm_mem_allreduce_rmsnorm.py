@@ -122,7 +122,11 @@ except Exception:  # pragma: no cover - exercised only on machines without trito
 # Configuration / constants
 # --------------------------------------------------------------------------------------
 
-VARIANTS = ("p2p", "multimem")
+# "p2p" pushes (every cross-rank access is a store: no staging copy, no copy-out);
+# "p2p_pull" is the load-based sibling of "multimem" (same kernel, peer loads instead of
+# multimem.ld_reduce), kept for comparison.
+# "p2p_ce" moves the peers' rows with the copy engines (no SMs) around a local add+norm kernel.
+VARIANTS = ("p2p", "multimem", "p2p_pull", "p2p_ce")
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 VECTOR_BYTES = 16  # one 16-byte vector per access: 8 x 16-bit or 4 x fp32
 MAX_HIDDEN = 16384  # a whole row lives in registers
@@ -528,8 +532,164 @@ if _HAS_TRITON:
         _block_barrier(PTR_TABLE, STATUS, rank, pad_offset, WORLD_SIZE, SPIN_LIMIT,
                        FENCE_ASM)
 
+    # ---- the push kernel (p2p): remote stores only --------------------------------------
+
+    @triton.jit
+    def _rows_of(j0, BLOCK_ROWS: tl.constexpr, owner, rows_per_rank, num_tokens):
+        """Shard-local indices ``j`` and global rows of ``owner``'s shard, with validity."""
+        j = j0 + tl.arange(0, BLOCK_ROWS)
+        rows = (owner * rows_per_rank + j).to(tl.int64)
+        ok = (j < rows_per_rank) & (rows < num_tokens)
+        return j.to(tl.int64), rows, ok
+
+    @triton.jit(do_not_specialize=["num_tokens", "rows_per_rank", "slot_rows", "rank", "pad_offset"])
+    def _symm_push_allreduce_rmsnorm_kernel(
+        PTR_TABLE,  # *i64: in[N], out[N], res[N], pad[N] addresses (regions used as [N, slot_rows, H])
+        X,  # this rank's partial sums [T, H], any (non-symmetric) memory
+        RESIDUAL,  # [T, H] or this rank's shard [S, H]
+        BIAS,
+        WEIGHT,
+        NORMED,  # [T, H] output, regular memory
+        RESIDUAL_OUT,  # [T, H] or this rank's shard [S, H], regular memory
+        STATUS,
+        num_tokens,
+        rows_per_rank,  # S
+        slot_rows,  # rows per source-rank slot in the symmetric regions (capacity / N)
+        rank,
+        pad_offset,
+        stride_x_row,
+        stride_res_row,
+        stride_out_row,
+        stride_res_out_row,
+        eps,
+        weight_offset,
+        WORLD_SIZE: tl.constexpr,
+        HIDDEN: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_ROWS: tl.constexpr,
+        IN_DTYPE: tl.constexpr,
+        OUT_DTYPE: tl.constexpr,
+        RES_DTYPE: tl.constexpr,
+        MID_DTYPE: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr,
+        HAS_WEIGHT: tl.constexpr,
+        HAS_MID: tl.constexpr,
+        RESIDUAL_IN_SHARDED: tl.constexpr,
+        RESIDUAL_OUT_SHARDED: tl.constexpr,
+        SPIN_LIMIT: tl.constexpr,
+        FENCE_ASM: tl.constexpr,
+        COPY_ENGINE: tl.constexpr = False,  # phase 2 only: peers' rows move by copy engine
+    ):
+        """Reduce-scatter and all-gather by *pushing*: every cross-rank access is a store.
+
+        CTA ``b`` handles shard-local rows ``j`` of its grid-stride set in every phase and for
+        every owner, so the CTA-pairwise barriers order exactly the rows each pair exchanges.
+        """
+        pid = tl.program_id(0)
+        step = tl.num_programs(0) * BLOCK_ROWS
+        cols = tl.arange(0, BLOCK_H)
+        col_ok = cols < HIDDEN
+        # Symmetric regions are 16-byte aligned: say so, or every access is scalar.
+        in_base = tl.multiple_of(tl.load(PTR_TABLE + rank).to(tl.pointer_type(IN_DTYPE)), 16)
+        out_base = tl.multiple_of(tl.load(PTR_TABLE + WORLD_SIZE + rank).to(tl.pointer_type(OUT_DTYPE)), 16)
+        res_base = tl.multiple_of(tl.load(PTR_TABLE + 2 * WORLD_SIZE + rank).to(tl.pointer_type(RES_DTYPE)), 16)
+
+        # Entry: every peer finished its previous launch on this channel (it read its slots).
+        if not COPY_ENGINE:
+            _block_barrier(PTR_TABLE, STATUS, rank, pad_offset, WORLD_SIZE, SPIN_LIMIT, FENCE_ASM)
+
+        # 1. scatter: our partial of owner p's rows -> slot [rank] of p's input region.
+        for p in tl.static_range(WORLD_SIZE * (1 - COPY_ENGINE)):  # no peers touched in CE mode
+            if p != rank:
+                peer_in = tl.load(PTR_TABLE + p).to(tl.pointer_type(IN_DTYPE))
+                peer_in = tl.multiple_of(peer_in, 16)
+                j0 = pid * BLOCK_ROWS
+                while j0 < rows_per_rank:
+                    j, rows, ok = _rows_of(j0, BLOCK_ROWS, p, rows_per_rank, num_tokens)
+                    m = ok[:, None] & col_ok[None, :]
+                    v = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=m)
+                    tl.store(peer_in + (rank * slot_rows + j)[:, None] * HIDDEN + cols[None, :], v, mask=m)
+                    j0 += step
+        if not COPY_ENGINE:
+            _block_barrier(PTR_TABLE, STATUS, rank, pad_offset, WORLD_SIZE, SPIN_LIMIT, FENCE_ASM)
+
+        # 2. reduce our rows locally, add, norm; keep our rows, push them to every peer.
+        if HAS_BIAS:
+            bias = tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            w = tl.load(WEIGHT + cols, mask=col_ok, other=0.0).to(tl.float32) + weight_offset
+        j0 = pid * BLOCK_ROWS
+        while j0 < rows_per_rank:
+            j, rows, ok = _rows_of(j0, BLOCK_ROWS, rank, rows_per_rank, num_tokens)
+            m = ok[:, None] & col_ok[None, :]
+            acc = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            for p in tl.static_range(WORLD_SIZE):
+                if p != rank:
+                    acc += tl.load(in_base + (p * slot_rows + j)[:, None] * HIDDEN + cols[None, :],
+                                   mask=m, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                acc = acc + bias[None, :]
+            if HAS_RESIDUAL:
+                if RESIDUAL_IN_SHARDED:
+                    r_off = j[:, None] * stride_res_row + cols[None, :]
+                else:
+                    r_off = rows[:, None] * stride_res_row + cols[None, :]
+                acc = acc + tl.load(RESIDUAL + r_off, mask=m, other=0.0).to(tl.float32)
+            res = acc.to(RES_DTYPE)
+            if RESIDUAL_OUT_SHARDED:
+                sm = (j < rows_per_rank)[:, None] & col_ok[None, :]
+                tl.store(RESIDUAL_OUT + j[:, None] * stride_res_out_row + cols[None, :],
+                         tl.where(m, res, tl.zeros_like(res)), mask=sm)
+            else:
+                tl.store(RESIDUAL_OUT + rows[:, None] * stride_res_out_row + cols[None, :], res, mask=m)
+                if COPY_ENGINE:  # our own slot; the peers copy it from there
+                    tl.store(res_base + (rank * slot_rows + j)[:, None] * HIDDEN + cols[None, :], res, mask=m)
+                else:
+                    for p in tl.static_range(WORLD_SIZE):
+                        if p != rank:
+                            peer_res = tl.multiple_of(
+                                tl.load(PTR_TABLE + 2 * WORLD_SIZE + p).to(tl.pointer_type(RES_DTYPE)), 16)
+                            tl.store(peer_res + (rank * slot_rows + j)[:, None] * HIDDEN + cols[None, :], res,
+                                     mask=m)
+            r = res.to(tl.float32)
+            var = tl.sum(r * r, axis=1) / HIDDEN
+            y = r * tl.rsqrt(var + eps)[:, None]
+            if HAS_MID:
+                y = y.to(MID_DTYPE).to(tl.float32)
+            if HAS_WEIGHT:
+                y = y * w[None, :]
+            normed = y.to(OUT_DTYPE)
+            tl.store(NORMED + rows[:, None] * stride_out_row + cols[None, :], normed, mask=m)
+            if COPY_ENGINE:
+                tl.store(out_base + (rank * slot_rows + j)[:, None] * HIDDEN + cols[None, :], normed, mask=m)
+            for p in tl.static_range(WORLD_SIZE * (1 - COPY_ENGINE)):
+                if p != rank:
+                    peer_out = tl.multiple_of(
+                        tl.load(PTR_TABLE + WORLD_SIZE + p).to(tl.pointer_type(OUT_DTYPE)), 16)
+                    tl.store(peer_out + (rank * slot_rows + j)[:, None] * HIDDEN + cols[None, :], normed, mask=m)
+            j0 += step
+        if not COPY_ENGINE:
+            _block_barrier(PTR_TABLE, STATUS, rank, pad_offset, WORLD_SIZE, SPIN_LIMIT, FENCE_ASM)
+
+        # 3. gather: the peers pushed their rows into our slots; copy them to the outputs.
+        for p in tl.static_range(WORLD_SIZE * (1 - COPY_ENGINE)):  # no peers touched in CE mode
+            if p != rank:
+                j0 = pid * BLOCK_ROWS
+                while j0 < rows_per_rank:
+                    j, rows, ok = _rows_of(j0, BLOCK_ROWS, p, rows_per_rank, num_tokens)
+                    m = ok[:, None] & col_ok[None, :]
+                    slot = (p * slot_rows + j)[:, None] * HIDDEN + cols[None, :]
+                    tl.store(NORMED + rows[:, None] * stride_out_row + cols[None, :],
+                             tl.load(out_base + slot, mask=m), mask=m)
+                    if not RESIDUAL_OUT_SHARDED:
+                        tl.store(RESIDUAL_OUT + rows[:, None] * stride_res_out_row + cols[None, :],
+                                 tl.load(res_base + slot, mask=m), mask=m)
+                    j0 += step
+
+
 else:  # pragma: no cover
-    _symm_allreduce_rmsnorm_kernel = None
+    _symm_allreduce_rmsnorm_kernel = _symm_push_allreduce_rmsnorm_kernel = None
 
 
 @dataclass(frozen=True)
@@ -633,6 +793,8 @@ class SymmWorkspace:
     multicast_ptr: int
     pad_offset: int
     used_in_capture: bool = False
+    #: per rank, (inp, out, res) views mapped into this process (copy-engine variant)
+    peer_views: Optional[list] = None
 
     def check_status(self) -> int:
         """Number of barrier timeouts recorded so far (synchronises the device)."""
@@ -905,6 +1067,89 @@ def _launch(ptr_table: torch.Tensor, status: torch.Tensor, *, rank: int, world_s
     return meta
 
 
+def _launch_push(ws: "SymmWorkspace", x, residual, bias, weight, normed, residual_out, *,
+                 num_tokens: int, mid_dtype, residual_in_sharded: bool, residual_out_sharded: bool,
+                 eps: float, weight_offset: float, num_ctas: int, num_warps: Optional[int],
+                 copy_engine: bool = False) -> _LaunchMeta:
+    """Launch the push kernel: x, residual and the outputs are ordinary tensors."""
+    N, H = ws.world_size, ws.hidden
+    S = math.ceil(num_tokens / N)
+    dummy = ws.ptr_table
+    bias = bias.contiguous() if bias is not None else None
+    weight = weight.contiguous() if weight is not None else None
+    if residual is not None and residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    meta = _launch_meta(H, S, num_ctas, num_warps)
+    _symm_push_allreduce_rmsnorm_kernel[(meta.grid,)](
+        ws.ptr_table, x,
+        residual if residual is not None else dummy,
+        bias if bias is not None else dummy,
+        weight if weight is not None else dummy,
+        normed, residual_out, ws.status,
+        num_tokens, S, ws.capacity // N, ws.rank, ws.pad_offset,
+        x.stride(0), residual.stride(0) if residual is not None else 0,
+        normed.stride(0), residual_out.stride(0), float(eps), float(weight_offset),
+        WORLD_SIZE=N, HIDDEN=H, BLOCK_H=meta.block_h, BLOCK_ROWS=meta.block_rows,
+        IN_DTYPE=_tl_dtype(x.dtype), OUT_DTYPE=_tl_dtype(normed.dtype),
+        RES_DTYPE=_tl_dtype(residual_out.dtype),
+        MID_DTYPE=_tl_dtype(mid_dtype if mid_dtype is not None else torch.float32),
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
+        HAS_MID=mid_dtype is not None, RESIDUAL_IN_SHARDED=residual_in_sharded,
+        RESIDUAL_OUT_SHARDED=residual_out_sharded, SPIN_LIMIT=_spin_limit(),
+        FENCE_ASM=not _interpreting(), COPY_ENGINE=copy_engine, num_warps=meta.num_warps, num_stages=1)
+    return meta
+
+
+def _peer_regions(ws: "SymmWorkspace") -> list:
+    """Per rank, ``(inp, out, res)`` views of that rank's regions, mapped here (cached)."""
+    if ws.peer_views is not None:
+        return ws.peer_views
+    N, H = ws.world_size, ws.hidden
+    table = ws.ptr_table.tolist()
+    views = []
+    for p in range(N):
+        base = ws.handle.get_buffer(p, [ws.buffer.numel() + (ws.buffer.data_ptr() - int(ws.handle.buffer_ptrs[ws.rank]))],
+                                    torch.uint8, 0)
+        regions = []
+        for k, dt in enumerate((ws.in_dtype, ws.out_dtype, ws.res_dtype)):
+            off = table[k * N + p] - base.data_ptr()
+            nbytes = ws.capacity * H * torch.empty((), dtype=dt).element_size()
+            regions.append(base[off:off + nbytes].view(dt).view(ws.capacity, H))
+        views.append(tuple(regions))
+    ws.peer_views = views
+    return views
+
+
+def _copy_engine_allreduce_rmsnorm(ws: "SymmWorkspace", x, residual, bias, weight, normed, residual_out, *,
+                                   num_tokens: int, residual_out_sharded: bool, **norm_kw) -> None:
+    """Barrier, copy-engine scatter of peer rows, local add+norm kernel, barrier, copy-engine gather.
+
+    Every cross-rank byte moves by ``cudaMemcpyAsync`` between peer-mapped buffers (copy
+    engines, no SMs); only the add+norm of this rank's rows runs on SMs, on local memory.
+    The first barrier also guarantees that every peer finished the previous call (its
+    gather read our slots), so the slots can be overwritten.
+    """
+    N, r = ws.world_size, ws.rank
+    S = math.ceil(num_tokens / N)
+    slot = ws.capacity // N
+    views = _peer_regions(ws)
+    ws.handle.barrier(channel=0)
+    for p in range(N):
+        rows = min(S, max(0, num_tokens - p * S))
+        if p != r and rows:
+            views[p][0][r * slot:r * slot + rows].copy_(x[p * S:p * S + rows])
+    ws.handle.barrier(channel=0)
+    _launch_push(ws, x, residual, bias, weight, normed, residual_out, num_tokens=num_tokens,
+                 residual_out_sharded=residual_out_sharded, copy_engine=True, **norm_kw)
+    ws.handle.barrier(channel=0)
+    for p in range(N):
+        rows = min(S, max(0, num_tokens - p * S))
+        if p != r and rows:
+            normed[p * S:p * S + rows].copy_(views[p][1][p * slot:p * slot + rows])
+            if not residual_out_sharded:
+                residual_out[p * S:p * S + rows].copy_(views[p][2][p * slot:p * slot + rows])
+
+
 def fused_allreduce_rmsnorm_symm(
     x: torch.Tensor,
     residual: Optional[torch.Tensor] = None,
@@ -977,7 +1222,29 @@ def fused_allreduce_rmsnorm_symm(
         if t is not None and (t.dim() != 1 or t.shape[0] != H):
             raise ValueError(f"{name} must have shape [{H}]")
 
-    # Stage x into the symmetric input buffer unless it already is that buffer.
+    if variant in ("p2p", "p2p_ce"):
+        # Push: x is read where it is and the outputs are written where they will live.
+        # Peers push into our input region, so x must not live there.
+        inp_lo = ws.inp.data_ptr()
+        if inp_lo <= x.data_ptr() < inp_lo + ws.inp.numel() * ws.inp.element_size():
+            x = x.clone()
+        normed = torch.empty((T, H), dtype=out_dtype, device=x.device)
+        if not residual_out_sharded:
+            residual_out = torch.empty((T, H), dtype=residual_dtype, device=x.device)
+        x = x if x.stride(-1) == 1 and x.is_contiguous() else x.contiguous()
+        norm_kw = dict(mid_dtype=mid_dtype, residual_in_sharded=residual_in_sharded, eps=eps,
+                       weight_offset=weight_offset, num_ctas=num_ctas, num_warps=num_warps)
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            if variant == "p2p_ce":
+                _copy_engine_allreduce_rmsnorm(ws, x, residual, bias, weight, normed, residual_out,
+                                               num_tokens=T, residual_out_sharded=residual_out_sharded,
+                                               **norm_kw)
+            else:
+                _launch_push(ws, x, residual, bias, weight, normed, residual_out, num_tokens=T,
+                             residual_out_sharded=residual_out_sharded, **norm_kw)
+        return normed, residual_out
+
+    # Pull (p2p_pull, multimem): stage x into the symmetric input buffer unless it already is it.
     if not (x.data_ptr() == ws.inp.data_ptr() and x.stride() == (H, 1)):
         ws.inp[:T].copy_(x)
 
@@ -1100,8 +1367,7 @@ def compile_variant_ptx(variant: str, dtype: torch.dtype, hidden: int,
         has_bias=has_bias, has_residual=has_residual, has_weight=has_weight,
         residual_in_sharded=residual_in_sharded, residual_out_sharded=residual_out_sharded,
         use_multimem=variant == "multimem", spin_limit=spin_limit)
-    fn = _symm_allreduce_rmsnorm_kernel
-    runtime_sig = {
+    common_sig = {
         "PTR_TABLE": "*i64",
         "RESIDUAL": _sig_dtype(residual_dtype),
         "BIAS": _sig_dtype(dtype),
@@ -1117,11 +1383,22 @@ def compile_variant_ptx(variant: str, dtype: torch.dtype, hidden: int,
         "eps": "fp32",
         "weight_offset": "fp32",
     }
+    if variant in ("p2p", "p2p_ce"):
+        fn = _symm_push_allreduce_rmsnorm_kernel
+        consts = dict(consts, COPY_ENGINE=variant == "p2p_ce")
+        runtime_sig = dict(common_sig, X=_sig_dtype(dtype), NORMED=_sig_dtype(out_dtype),
+                           slot_rows="i32", stride_x_row="i32", stride_out_row="i32")
+        aligned = ["PTR_TABLE", "X", "RESIDUAL", "BIAS", "WEIGHT", "NORMED", "RESIDUAL_OUT",
+                   "STATUS", "stride_x_row", "stride_res_row", "stride_out_row", "stride_res_out_row"]
+    else:
+        fn = _symm_allreduce_rmsnorm_kernel
+        runtime_sig = common_sig
+        aligned = ["PTR_TABLE", "RESIDUAL", "BIAS", "WEIGHT", "RESIDUAL_OUT", "STATUS",
+                   "stride_res_row", "stride_res_out_row"]
+    consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     signature = {name: (runtime_sig[name] if name in runtime_sig else "constexpr")
                  for name in fn.arg_names}
     # What the JIT would specialise at launch: 16-byte aligned pointers and strides.
-    aligned = ["PTR_TABLE", "RESIDUAL", "BIAS", "WEIGHT", "RESIDUAL_OUT", "STATUS",
-               "stride_res_row", "stride_res_out_row"]
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = ASTSource(fn, signature, constexprs=consts, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),

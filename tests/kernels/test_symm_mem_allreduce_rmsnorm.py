@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -221,7 +222,7 @@ def run_script(args, timeout, env=None):
 
 
 @requires_triton
-@pytest.mark.parametrize("variant", ["p2p", "multimem"])
+@pytest.mark.parametrize("variant", ["p2p", "p2p_pull", "multimem"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 def test_ptx_compiles_for_sm90(variant, dtype):
     asm = mod.compile_variant_ptx(variant, DTYPES[dtype], 4096, return_all=True)
@@ -233,9 +234,13 @@ def test_ptx_compiles_for_sm90(variant, dtype):
         assert has_ld and has_st
         suffix = {"bf16": "acc::f32.v4.bf16x2", "fp16": "acc::f32.v4.f16x2", "fp32": "v4.f32"}
         assert f"multimem.ld_reduce.relaxed.sys.global.add.{suffix[dtype]}" in ptx
-    else:
+    elif variant == "p2p_pull":
         assert not has_ld and not has_st
         assert "ld.global.cg.v4" in ptx  # 16-byte peer loads
+    else:  # push: 16-byte loads and stores only, no scalar element accesses
+        assert not has_ld and not has_st
+        assert "st.global.v4.b32" in ptx and "ld.global.v4.b32" in ptx
+        assert not re.search(r"(ld|st)\.global\.b(16|32)\b", ptx)
     # the signal-pad barrier: system fence + relaxed increments to peers, acquire reads
     # of our own pad; all predicated on one thread
     assert "fence.acq_rel.sys" in ptx
@@ -245,7 +250,7 @@ def test_ptx_compiles_for_sm90(variant, dtype):
 
 
 @requires_triton
-@pytest.mark.parametrize("variant", ["p2p", "multimem"])
+@pytest.mark.parametrize("variant", ["p2p", "p2p_pull", "multimem"])
 @pytest.mark.parametrize("kw", [
     dict(dtype=torch.bfloat16, hidden=5120, residual_in_sharded=True, residual_out_sharded=True),
     dict(dtype=torch.bfloat16, hidden=2048, residual_dtype=torch.float32,
@@ -491,14 +496,17 @@ def _sim_worker(rank, world, pools, status, barrier, failures):
         if residual is not None:
             res_in = shard_rows(residual, world, rank) if kw["residual_in_sharded"] else residual
         x = xs[rank]
-        if ci % 2:  # zero-copy input path: x already is the symmetric input buffer
+        # Odd launches: the pull kernel with the zero-copy input path (x already is the
+        # symmetric input buffer); even launches: the push kernel.
+        variant = "p2p_pull" if ci % 2 else "p2p"
+        if ci % 2:
             ws.inp[:T].copy_(x)
             x = ws.inp[:T]
         normed, res_out = m.fused_allreduce_rmsnorm_symm(
-            x, res_in, bias, weight, group_name="sim", variant="p2p", **kw)
+            x, res_in, bias, weight, group_name="sim", variant=variant, **kw)
         ref_n, ref_r = reference(c, xs, residual, bias, weight)
         ok, en, er, msg = check_outputs(c, world, rank, normed, res_out, ref_n, ref_r)
-        print(f"[rank {rank}] {case_name(c):60s} {'ok' if ok else 'FAIL'} "
+        print(f"[rank {rank}] {variant:8s} {case_name(c):60s} {'ok' if ok else 'FAIL'} "
               f"err_n={en:.2e} err_r={er:.2e} {msg}", flush=True)
         if not ok:
             failures[rank] += 1
