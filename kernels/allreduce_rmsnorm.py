@@ -6,7 +6,7 @@ all-gather, the norm runs on 1/N of the tokens and the all-reduce's two halves b
 
 Contract, per row (rows are the flattened leading dims of ``x``; ``x`` is this rank's partial sum)::
 
-    acc    = sum_over_ranks(x_row).float() (+ bias.float()) (+ residual_row.float())
+    acc    = sum_over_ranks(x_row).float() (* scale) (+ bias.float()) (+ residual_row.float())
     res    = acc.to(residual_dtype)                                 # -> residual_out
     r      = res.float()
     y      = r * rsqrt(mean(r * r) + eps)
@@ -118,6 +118,7 @@ def reference_impl(
     weight_offset: float,
     residual_in_sharded: bool,
     residual_out_sharded: bool,
+    scale: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reduce-scatter -> add -> RMSNorm on this rank's rows -> all-gather, with functional collectives."""
     world_size, rank = _group_size_rank(group_name)
@@ -128,6 +129,8 @@ def reference_impl(
     padded = per_rank * world_size
 
     acc = _reduce_scatter_rows(_pad_rows(rows, padded), group_name, world_size).float()
+    if scale is not None:
+        acc = acc * scale.float()
     if bias is not None:
         acc = acc + bias.float()
     if residual is not None:
@@ -208,10 +211,18 @@ def allreduce_add_rmsnorm(
     residual_out_sharded: bool,
     kernel: str,
     comm_ctas: int,
+    scale: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(normed, residual_out)`` of ``all_reduce(x) (+bias) (+residual) -> RMSNorm``; see module doc."""
+    """``(normed, residual_out)`` of ``all_reduce(x) (*scale) (+bias) (+residual) -> RMSNorm``; see module doc.
+
+    ``scale`` (a 0-d tensor, e.g. Gemma's embedding scale) multiplies the reduced sum. Like
+    bias, residual and weight it must be the same on every rank (each row is computed on one
+    rank). The symmetric-memory kernels do not take it: the pass selects ``reference`` there.
+    """
     args = (x, residual, bias, weight, eps, group_name, residual_dtype, out_dtype, mid_dtype,
-            weight_offset, residual_in_sharded, residual_out_sharded)
+            weight_offset, residual_in_sharded, residual_out_sharded, scale)
+    if scale is not None and kernel in ("p2p", "multimem"):
+        raise ValueError("weave::allreduce_add_rmsnorm: the symmetric-memory kernels take no scale")
     if kernel in ("p2p", "multimem") and x.is_cuda:
         from . import symm_mem_allreduce_rmsnorm as symm
 
@@ -244,7 +255,7 @@ def _log_fallback_once(kernel: str, reason: str) -> None:
 
 @allreduce_add_rmsnorm.register_fake
 def _(x, residual, bias, weight, eps, group_name, residual_dtype, out_dtype, mid_dtype,
-      weight_offset, residual_in_sharded, residual_out_sharded, kernel, comm_ctas):
+      weight_offset, residual_in_sharded, residual_out_sharded, kernel, comm_ctas, scale=None):
     normed = x.new_empty(x.shape, dtype=out_dtype)
     if residual_out_sharded:
         per_rank = rows_per_rank(_num_rows(x), group_size(group_name))
@@ -262,9 +273,12 @@ def allreduce_add_rmsnorm_ref(
     weight: Optional[torch.Tensor] = None,
     eps: float = 1e-6,
     weight_offset: float = 0.0,
+    scale: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Single-process float64 reference of the contract from every rank's partial sum."""
     acc = torch.stack([p.double() for p in partials]).sum(0)
+    if scale is not None:
+        acc = acc * scale.double()
     if bias is not None:
         acc = acc + bias.double()
     if residual is not None:

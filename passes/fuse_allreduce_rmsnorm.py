@@ -5,6 +5,7 @@ Matches (post-grad ATen; each ``[...]`` optional, views/widening casts allowed b
     ar   = _c10d_functional.all_reduce(x, "sum", group)     # dist.all_reduce, funcol, DTensor
     y    = _c10d_functional.wait_tensor(ar)
     [y   = aten.copy(x, y)]                                 # in-place all_reduce write-back
+    [y   = mul(y, s)]                                       # s a 0-d tensor (Gemma's embed_scale)
     [y   = add(y, bias[H])]  [y = add(residual, y)]          # either order, either operand order
     r    = convert_element_type(y, float32)                  # absent when y is float32
     v    = mean(pow(r, 2) | mul(r, r), [-1], keepdim=True)
@@ -20,6 +21,10 @@ The matcher is structural (it walks users from each all_reduce) instead of a fix
 patterns: the forms models produce multiply (casts, operand orders, weight before or after the
 cast, Gemma's ``1 + w``, views between the mm and the add), and a walk covers their product.
 A site that does not match keeps its graph and gets the reason in the explain report.
+
+Assumption (TokenWeave's, and every TP program's): what the graph applies after the all_reduce
+(bias, residual, scale, norm weight) is the same on every rank of the group, since each row is
+now normalized on one rank and broadcast. The graph cannot prove it; TP frameworks guarantee it.
 Intermediate results used elsewhere stay computed from ``residual_out`` (correct, just not
 free); the all_reduce result itself used elsewhere blocks the rewrite.
 """
@@ -92,6 +97,7 @@ class SiteMatch:
     residual: Optional[fx.Node]
     bias: Optional[fx.Node]
     norm: NormMatch
+    scale: Optional[fx.Node] = None  # 0-d tensor multiplying the reduced sum
 
     @property
     def residual_out(self) -> fx.Node:
@@ -99,6 +105,8 @@ class SiteMatch:
 
     def describe(self) -> str:
         parts = ["all_reduce"]
+        if self.scale is not None:
+            parts.append("*scale")
         if self.bias is not None:
             parts.append("+bias")
         if self.residual is not None:
@@ -111,6 +119,11 @@ class SiteMatch:
 
 def _single_user(node: fx.Node) -> Optional[fx.Node]:
     return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _is_scalar_tensor(o: Any) -> bool:
+    t = val(o)
+    return t is not None and t.dim() == 0 and t.is_floating_point()
 
 
 def _is_square_of(node: fx.Node, r: fx.Node) -> bool:
@@ -239,12 +252,12 @@ def match_site(ar: fx.Node) -> SiteMatch:
         raise NoMatch(f"all_reduce of {tx.dtype}")
     hidden = tx.shape[-1]
     chain, views = [wait], []
-    residual = bias = None
+    residual = bias = scale = None
     cur, dtype = wait, tx.dtype
     for _ in range(_MAX_CHAIN):
         norm = match_rmsnorm(cur)
         if norm is not None:
-            return SiteMatch(ar, chain, views, residual, bias, norm)
+            return SiteMatch(ar, chain, views, residual, bias, norm, scale)
         u = _single_user(cur)
         if u is None:
             uses = ", ".join(str(n.target) for n in cur.users) or "nothing"
@@ -258,6 +271,13 @@ def match_site(ar: fx.Node) -> SiteMatch:
             pass  # functionalized in-place all_reduce: copy of the result into the input's slot
         elif is_call(u, VIEW_TARGETS) and tu.shape[-1] == hidden:
             views.append(u)
+        elif (is_call(u, aten.mul.Tensor) and len(u.args) == 2 and not u.kwargs and scale is None
+              and residual is None and bias is None and tu.dtype == dtype
+              and _is_scalar_tensor(other_operand(u, cur))):
+            # Gemma's embedding: all_reduce -> * embed_scale (0-d buffer) -> layer 0's norm.
+            # Only before any add or cast, where the op applies it (to the reduced sum, in fp32).
+            # Python-number factors stay unmatched: nothing here needs them.
+            scale = other_operand(u, cur)
         elif cast_dtype(u) is not None and torch.promote_types(dtype, cast_dtype(u)) == cast_dtype(u):
             dtype = cast_dtype(u)
         elif is_call(u, aten.add.Tensor) and "alpha" not in u.kwargs and len(u.args) == 2:
@@ -320,8 +340,11 @@ class FuseAllReduceRMSNormPass:
         tx = val(x)
         tres, tout = val(res_node), val(norm_out)
         group = m.all_reduce.args[2]
-        kernel, kernel_reason = select_kernel(self.config.kernel, tx.device, (tx.dtype, tres.dtype, tout.dtype),
-                                              tx.shape[-1], group)
+        if m.scale is not None:
+            kernel, kernel_reason = "reference", "scaled site: the symmetric-memory kernels take no scale"
+        else:
+            kernel, kernel_reason = select_kernel(self.config.kernel, tx.device, (tx.dtype, tres.dtype, tout.dtype),
+                                                  tx.shape[-1], group)
         # Replay the chain's views on x so the op sees the residual's shape.
         xin = x
         insert_after = anchor
@@ -333,6 +356,7 @@ class FuseAllReduceRMSNormPass:
             fused = call_with_meta(graph, fake_mode, FUSED_OP, (
                 xin, m.residual, m.bias, w, m.norm.eps, group, tres.dtype, tout.dtype,
                 m.norm.mid_dtype, m.norm.weight_offset, False, False, kernel, self.config.comm_ctas,
+                m.scale,
             ))
         with graph.inserting_after(fused):
             normed = getitem_with_meta(graph, fused, 0)

@@ -24,6 +24,7 @@ CASES = [
     (17, 32, torch.float32, False, True, "w", False, True),
     (9, 32, torch.float32, True, False, "w", True, True),
     (9, 32, torch.bfloat16, True, True, "w_mid", True, False),
+    (13, 32, torch.float32, True, False, "scaled", False, False),
 ]
 
 
@@ -39,6 +40,10 @@ def _make(case, seed):
     return partials, residual, bias, weight
 
 
+def _scale(case):
+    return torch.tensor(3.5) if case[5] == "scaled" else None
+
+
 def _run_cases(rank, world_size, seed):
     from weave_compile.kernels.allreduce_rmsnorm import allreduce_add_rmsnorm as op
 
@@ -52,7 +57,7 @@ def _run_cases(rank, world_size, seed):
             residual = padded[rank * per:(rank + 1) * per].clone()
         normed, res = op(partials[rank], residual, bias, weight, 1e-5, "0", dtype, dtype,
                          dtype if wmode == "w_mid" else None, 1.0 if wmode == "gemma" else 0.0,
-                         in_sh, out_sh, "reference", 16)
+                         in_sh, out_sh, "reference", 16, _scale(case))
         outs.append((normed, res))
     return outs
 
@@ -72,7 +77,8 @@ def test_reference_matches_float64(rank_outputs, idx):
     T, H, dtype, _, _, wmode, in_sh, out_sh = case
     partials, residual, bias, weight = _make(case, seed + idx)
     ref_normed, ref_res = allreduce_add_rmsnorm_ref(partials, residual, bias, weight, eps=1e-5,
-                                                    weight_offset=1.0 if wmode == "gemma" else 0.0)
+                                                    weight_offset=1.0 if wmode == "gemma" else 0.0,
+                                                    scale=_scale(case))
     per = rows_per_rank(T, WORLD)
     for rank in range(WORLD):
         normed, res = results[rank][idx]

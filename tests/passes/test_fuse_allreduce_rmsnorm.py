@@ -230,3 +230,35 @@ def test_negatives_stay_unrewritten_with_reasons_and_correct(seed):
             assert reason in res["sites"][0][1], f"{kind}: reason {res['sites'][0][1]!r}"
             assert res["op_counts"][0]["weave.allreduce_add_rmsnorm"] == (0, 0)
             assert res["errs"][0] < 1e-5, f"{kind}: {res['errs']}"
+
+
+# ----------------------------------------------------------------------------- scaled sites
+
+
+class ScaledSite(nn.Module):
+    """all_reduce -> * scale (a 0-d buffer, Gemma's embed_scale) -> RMSNorm."""
+
+    def __init__(self, h, scale):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(h, h) / h ** 0.5)
+        self.nw = nn.Parameter(torch.randn(h))
+        self.register_buffer("scale", torch.tensor(scale))
+
+    def forward(self, x):
+        y = x @ self.w
+        dist.all_reduce(y)
+        y = y * self.scale
+        return self_norm(y.float(), self.nw, 1e-6).to(x.dtype), y
+
+
+def _scaled(rank, world_size, seed):
+    torch.manual_seed(seed)
+    x = torch.randn(9, 32)
+    return _compile_and_compare(ScaledSite(32, 2.5), [(x,)], "aot_eager")
+
+
+def test_scaled_site_is_fused(seed):
+    for r in assert_ranks_ok(run_ranks(_scaled, WORLD, args=(seed,), timeout=300)):
+        assert r["matched"] == 1, r["text"]
+        assert "*scale" in r["sites"][0][1]
+        assert r["errs"][0] < 1e-5, r["errs"]

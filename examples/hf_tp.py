@@ -1,0 +1,326 @@
+"""A Hugging Face model sharded with its own tp_plan, compiled with backend="tokenweave".
+
+    python examples/hf_tp.py --arch qwen3                          # no GPUs: 2 CPU ranks over gloo
+    torchrun --nproc-per-node 2 examples/hf_tp.py --arch llama --size 8b --tokens 1024 2048 --decode
+
+Builds ``--arch`` at ``--size`` dims with random weights (the same seed on every rank; no
+download), shards it with transformers' own tensor-parallel plan, compiles it with
+``torch.compile(backend="tokenweave", fullgraph=True)`` and prints the explain report (every
+all_reduce site: fused or not and why) and the difference against the eager TP model.
+
+On GPUs it also times prefill (``use_cache=False``; by default the decoder stack ``model.model``,
+whose all_reduces are all there is to fuse; ``--target causal_lm`` adds the lm_head on the last
+token) for each ``--variants``:
+
+    eager       the TP model as transformers runs it
+    default     torch.compile(model, fullgraph=True): Inductor with NCCL all_reduces
+    tokenweave  torch.compile(model, backend="tokenweave", fullgraph=True)
+    nocomm      "default" with every all_reduce replaced by the identity: wrong results, the
+                ceiling for what hiding communication can give
+
+and with ``--decode`` one decode step (T=1) against a static KV cache holding
+``--decode-context`` tokens (``--phases decode`` alone skips prefill). Medians of ``--iters``
+runs timed with CUDA events after ``--warmup``. ``--csv PATH`` appends one row per
+(phase, T, variant) with the GPU, versions, commit and date.
+
+Each (variant, T) compiles from scratch (``torch._dynamo.reset()``) with static shapes unless
+``--dynamic`` marks the token dim dynamic, which compiles each variant once for all ``--tokens``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+VARIANTS = ("eager", "default", "tokenweave", "nocomm")
+CSV_FIELDS = ["date", "gpu", "torch", "transformers", "commit", "world", "arch", "size", "layers", "batch",
+              "tokens", "dtype", "phase", "variant", "ms", "compile_s", "max_abs_diff", "rel_err", "fused_sites",
+              "all_reduce_sites", "kernel"]
+
+
+def _progress(rank: int, msg: str) -> None:
+    if rank == 0:
+        print(f"[hf_tp {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _bench(fn: Callable[[], object], warmup: int, iters: int, cuda: bool) -> float:
+    """Median milliseconds of ``fn()``: CUDA events on GPU, wall clock on CPU."""
+    for _ in range(warmup):
+        fn()
+    if dist.is_initialized():
+        dist.barrier()
+    times = []
+    for _ in range(iters):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _compiled(model, variant: str, kernel: str):
+    """The callable for ``variant`` (Dynamo state reset first, so nothing is shared between variants)."""
+    import weave_compile
+
+    torch._dynamo.reset()
+    weave_compile.reset()
+    if variant == "eager":
+        return model
+    if variant == "tokenweave":
+        return torch.compile(model, backend="tokenweave", fullgraph=True, options={"kernel": kernel})
+    return torch.compile(model, fullgraph=True)  # default, nocomm
+
+
+def _diff(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    from weave_compile.testing.numerics import rel_err
+
+    return (out.float() - ref.float()).abs().max().item(), rel_err(out, ref)
+
+
+def main(rank: int, world_size: int, args: argparse.Namespace) -> dict:
+    import contextlib
+
+    import weave_compile
+    from weave_compile.testing.hf import build_model, expected_fused_sites, prompt, without_all_reduce
+
+    # A graph served from Inductor's caches skips the passes, and the explain report would be empty.
+    torch._inductor.config.fx_graph_cache = args.fx_cache
+    torch._functorch.config.enable_autograd_cache = args.fx_cache
+    cuda = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
+    timing = cuda or args.time
+    _progress(rank, f"building {args.arch} ({args.size}, {args.layers or 'default'} layers, {dtype}) on "
+                    f"{world_size} ranks ({dist.get_backend()})")
+    t0 = time.perf_counter()
+    model = build_model(args.arch, args.size, layers=args.layers, seed=args.seed, dtype=dtype, device=device)
+    cfg = model.config
+    _progress(rank, f"built and sharded in {time.perf_counter() - t0:.1f} s: H={cfg.hidden_size}, "
+                    f"layers={cfg.num_hidden_layers}, expected fusable sites={expected_fused_sites(cfg)}")
+    target = model.model if args.target == "model" else model
+    kwargs = dict(use_cache=False) if args.target == "model" else dict(use_cache=False, logits_to_keep=1)
+
+    def out_of(o) -> torch.Tensor:
+        return o.last_hidden_state if args.target == "model" else o.logits
+
+    rows, reports = [], {}
+    base = dict(arch=args.arch, size=args.size, layers=cfg.num_hidden_layers, batch=args.batch, dtype=str(dtype),
+                world=world_size)
+    prefill = "prefill" in args.phases
+    steps = (len(args.tokens) if prefill else 0) * len(args.variants)
+    steps += len(args.variants) if "decode" in args.phases else 0
+    step = 0
+    with torch.no_grad():
+        refs = {}
+        for T in args.tokens if prefill else []:
+            ids = prompt(args.batch, T, cfg.vocab_size, args.seed, device)
+            refs[T] = out_of(target(ids, **kwargs))
+        # One variant at a time over every T: with --dynamic it compiles once.
+        for variant in args.variants if prefill else []:
+            fn = _compiled(target, variant, args.kernel) if args.dynamic else None
+            for T in args.tokens:
+                step += 1
+                ids = prompt(args.batch, T, cfg.vocab_size, args.seed, device)
+                if args.dynamic:
+                    torch._dynamo.mark_dynamic(ids, 1)
+                else:
+                    fn = _compiled(target, variant, args.kernel)
+                _progress(rank, f"{step}/{steps} prefill T={T} {variant}: compiling / first run")
+                with without_all_reduce() if variant == "nocomm" else contextlib.nullcontext():
+                    t0 = time.perf_counter()
+                    out = out_of(fn(ids, **kwargs))
+                    if cuda:
+                        torch.cuda.synchronize()
+                    compile_s = time.perf_counter() - t0
+                    max_abs, rel = _diff(out, refs[T])
+                    ms = float("nan")
+                    if timing:
+                        ms = _bench(lambda: fn(ids, **kwargs), args.warmup, args.iters, cuda)
+                rep = weave_compile.explain() if variant == "tokenweave" else None
+                if rep is not None:
+                    reports[f"prefill T={T}"] = str(rep)
+                rows.append(_row(base, "prefill", T, variant, ms, compile_s, max_abs, rel, rep))
+                _progress(rank, f"{step}/{steps} prefill T={T} {variant}: {ms:.3f} ms, first call "
+                                f"{compile_s:.1f} s, max |out - eager| {max_abs:.3g} (rel {rel:.2g})")
+        if "decode" in args.phases:
+            rows += _decode(rank, model, args, base, reports, cuda, timing, step, steps)
+    return {"rows": rows, "reports": reports}
+
+
+def _decode(rank, model, args, base, reports, cuda, timing, step, steps) -> list[dict]:
+    """One decode step (T=1) after ``--decode-context`` prefilled tokens, per variant."""
+    import contextlib
+
+    import transformers
+    import weave_compile
+    from weave_compile.testing.hf import ARCHS, prompt, without_all_reduce
+
+    cfg, device = model.config, next(model.parameters()).device
+    ctx_len = args.decode_context
+    if ARCHS[args.arch].sliding_cache:
+        _progress(rank, "note: sliding-window cache layers keep a Python int position: each decode step "
+                        "recompiles until Dynamo makes it dynamic")
+    context = prompt(args.batch, ctx_len, cfg.vocab_size, args.seed, device)
+    tok = prompt(args.batch, 1, cfg.vocab_size, args.seed + 1, device)
+    rows, ref = [], None
+    for variant in args.variants:
+        step += 1
+        cache = transformers.StaticCache(config=cfg, max_cache_len=ctx_len + args.warmup + args.iters + 8)
+        model(context, past_key_values=cache, use_cache=True)  # eager prefill, same state for every variant
+        fn = _compiled(model, variant, args.kernel)
+        _progress(rank, f"{step}/{steps} decode ctx={ctx_len} {variant}: compiling / first run")
+        with without_all_reduce() if variant == "nocomm" else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            logits = fn(tok, past_key_values=cache, use_cache=True).logits
+            compile_s = time.perf_counter() - t0
+            ref = logits if ref is None else ref
+            max_abs, rel = _diff(logits, ref)
+            ms = (_bench(lambda: fn(tok, past_key_values=cache, use_cache=True), args.warmup, args.iters, cuda)
+                  if timing else float("nan"))
+        rep = weave_compile.explain() if variant == "tokenweave" else None
+        if rep is not None:
+            reports[f"decode ctx={ctx_len}"] = str(rep)
+        rows.append(_row(base, f"decode@{ctx_len}", 1, variant, ms, compile_s, max_abs, rel, rep))
+        _progress(rank, f"{step}/{steps} decode {variant}: {ms:.3f} ms, max |logits - first variant| {max_abs:.3g}")
+    return rows
+
+
+def _row(base: dict, phase: str, tokens: int, variant: str, ms: float, compile_s: float, max_abs: float,
+         rel: float, rep) -> dict:
+    """One result row; ``rep`` (the explain report) only for the tokenweave variant."""
+    row = dict(base, tokens=tokens, phase=phase, variant=variant, ms=ms, compile_s=compile_s, max_abs_diff=max_abs,
+               rel_err=rel, fused_sites="", all_reduce_sites="", kernel="")
+    if rep is not None:
+        row.update(fused_sites=rep.matched_count, all_reduce_sites=len(rep.sites),
+                   kernel="/".join(sorted({s.kernel for s in rep.sites if s.fused})) or "-")
+    return row
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _commit() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("WEAVE_COMMIT", "unknown")
+
+
+def _report(result: dict, args: argparse.Namespace) -> None:
+    by_text: dict[str, list[str]] = {}
+    for key, text in result["reports"].items():
+        by_text.setdefault(text, []).append(key)
+    for text, keys in by_text.items():
+        print(f"== tokenweave explain ({', '.join(keys)})\n{text}\n")
+    header = (f"{'phase':<14} {'T':>6} {'variant':<11} {'ms':>10} {'first call s':>12} {'max|diff|':>10} "
+              f"{'rel err':>9}")
+    print(header)
+    print("-" * len(header))
+    for r in result["rows"]:
+        print(f"{r['phase']:<14} {r['tokens']:>6} {r['variant']:<11} {r['ms']:>10.3f} {r['compile_s']:>12.1f} "
+              f"{r['max_abs_diff']:>10.3g} {r['rel_err']:>9.2g}")
+    print("(diff: against the eager TP model; decode: against the first variant's logits; nocomm's is "
+          "expected to be large)")
+    if args.csv:
+        import transformers
+
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() and args.launched == "torchrun" else "cpu"
+        extra = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), gpu=gpu,
+                     torch=torch.__version__, transformers=transformers.__version__,
+                     commit=args.commit or _commit())
+        new = not os.path.exists(args.csv) or os.path.getsize(args.csv) == 0
+        os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
+        with open(args.csv, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+            if new:
+                w.writeheader()
+            for r in result["rows"]:
+                w.writerow({**extra, **{k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()}})
+        print(f"appended {len(result['rows'])} rows to {args.csv}")
+
+
+def _parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    from weave_compile.testing.hf import ARCHS, SIZES
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", choices=sorted(ARCHS), default="llama")
+    p.add_argument("--size", choices=list(SIZES), default="tiny", help="dims preset (default tiny)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the size's own)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[37], help="prefill tokens per sequence, one or more")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=None,
+                   help="default: all on GPU; eager tokenweave on CPU")
+    p.add_argument("--phases", nargs="+", choices=("prefill", "decode"), default=["prefill"],
+                   help="prefill (use_cache=False) and/or one decode step with a static KV cache")
+    p.add_argument("--decode", action="store_true", help="shorthand: add the decode phase")
+    p.add_argument("--decode-context", type=int, default=None, help="tokens in the cache (default: first --tokens)")
+    p.add_argument("--target", choices=("model", "causal_lm"), default="model",
+                   help="prefill: the decoder stack (default) or the whole causal LM with logits of the last token")
+    p.add_argument("--dynamic", action="store_true", help="mark the token dim dynamic: one compile per variant")
+    p.add_argument("--kernel", default="auto", choices=("auto", "reference", "p2p", "multimem"),
+                   help="tokenweave fused-op kernel")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="default bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--fx-cache", action="store_true",
+                   help="let Inductor serve cached graphs (faster reruns; the explain report then lists no sites)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--time", action="store_true", help="time on CPU too (always on GPU)")
+    p.add_argument("--csv", default=None, help="append the results to this CSV")
+    p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse)")
+    p.add_argument("--ranks", type=int, default=2, help="CPU ranks when not under torchrun (default 2)")
+    args = p.parse_args(argv)
+    args.launched = "torchrun" if "RANK" in os.environ else "spawn"
+    if args.variants is None:
+        gpu = args.launched == "torchrun" and torch.cuda.is_available()
+        args.variants = list(VARIANTS) if gpu or args.time else ["eager", "tokenweave"]
+    if args.decode and "decode" not in args.phases:
+        args.phases.append("decode")
+    if args.decode_context is None:
+        args.decode_context = args.tokens[0]
+    return args
+
+
+if __name__ == "__main__":
+    args = _parse()
+    if args.launched == "torchrun":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        rank = int(os.environ["RANK"])
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        dist.init_process_group(backend)
+        try:
+            result = main(rank, dist.get_world_size(), args)
+            if rank == 0:
+                _report(result, args)
+        finally:
+            dist.destroy_process_group()
+    else:
+        from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
+
+        print(f"no torchrun: spawning {args.ranks} CPU ranks (gloo)", file=sys.stderr)
+        results = assert_ranks_ok(run_ranks(main, args.ranks, args=(args,), timeout=1800))
+        _report(results[0], args)

@@ -1,0 +1,330 @@
+"""Hugging Face models sharded with their own tensor-parallel plan, for tests, examples and benchmarks.
+
+:func:`build_model` makes a causal LM from a small (or real-sized) config with random weights, no
+download, seeded the same on every rank, and shards it with the model's own ``tp_plan`` on the
+current process group the way transformers 5.14+ does it for ``from_pretrained(...,
+distributed_config=...)``::
+
+    dc, _, mesh = Cls.prepare_distribute_model(DistributedConfig(tp_size=N, tp_plan="auto"))
+    model = Cls.maybe_distribute_model(model, dc, mesh)
+
+``maybe_distribute_model`` turns every planned parameter into a DTensor: ``distribute_tensor(..,
+src_data_rank=None)`` keeps this rank's slice of the *full* tensor each rank built, so the TP
+model and ``build_model(..., tp=False)`` with the same seed hold the same weights. It runs on CPU
+with gloo and on GPUs with NCCL (checked with transformers 5.17).
+
+Under ``torch.no_grad()`` the row-parallel ``Linear`` of the plan reduces with an in-place
+``dist.all_reduce`` (then adds its bias), the row-parallel embedding (Gemma) and other
+DTensor paths with ``funcol.all_reduce``; MoE experts (``moe_tp_experts``) with ``dist.all_reduce``
+after the weighted sum of the experts.
+
+One thing in the plans stops ``torch.compile(fullgraph=True)``: ``replicated_with_grad_allreduce``
+(Qwen3's and Gemma3's per-head q/k norms) registers a *module full backward hook* to sum the norm
+weights' gradients, and Dynamo refuses module backward hooks without compiled autograd ("Module-level
+backwards hooks require compiled autograd"); without ``fullgraph`` it breaks the graph at every
+q/k norm and nothing is fused. The hooks only act in backward, so :func:`build_model` drops them
+(:func:`drop_grad_sync_hooks`) unless asked not to; ``torch._dynamo.config.compiled_autograd = True``
+is the other way out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections import Counter
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+# ----------------------------------------------------------------------------- presets
+
+
+@dataclasses.dataclass(frozen=True)
+class SizePreset:
+    """Model dims shared by every architecture at this size (the arch adds its own extras)."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    layers: int  # default layer count; ``--layers`` / ``layers=`` overrides it
+    max_positions: int
+
+
+SIZES: dict[str, SizePreset] = {
+    # CPU tests: heads and kv heads divisible by tp=2, vocab small (and even: Gemma's embedding
+    # is vocab-parallel).
+    "tiny": SizePreset(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=128, layers=2,
+                       max_positions=512),
+    # Real dims. A full 70B does not fit when every rank first builds the full model: use fewer
+    # layers (e.g. --layers 8); Llama-3-8B at 32 layers is 16 GB in bf16 per rank before sharding.
+    "8b": SizePreset(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, vocab=128256, layers=32,
+                     max_positions=16384),
+    "70b": SizePreset(hidden=8192, intermediate=28672, heads=64, kv_heads=8, head_dim=128, vocab=128256, layers=80,
+                      max_positions=16384),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ArchSpec:
+    """One Hugging Face architecture: its classes, its config extras, and its forms."""
+
+    name: str
+    config_cls: str
+    model_cls: str
+    #: config kwargs for every size (arch features) and for ``tiny`` only (small extras)
+    extra: dict = dataclasses.field(default_factory=dict)
+    tiny_extra: dict = dataclasses.field(default_factory=dict)
+    #: Gemma: all_reduce -> RMSNorm -> add(residual) (post-attention / post-feedforward norms)
+    sandwich: bool = False
+    #: Gemma: the embedding output is scaled by sqrt(H) (a 0-d tensor) between its all_reduce
+    #: and layer 0's input norm
+    embed_scale: bool = False
+    #: Qwen3 / Gemma3: per-head RMSNorm on q and k, no all_reduce before them
+    qk_norm: bool = False
+    #: the static cache has sliding-window layers, which keep a Python int position (Dynamo
+    #: specializes on it: every decode step recompiles until it turns dynamic)
+    sliding_cache: bool = False
+    note: str = ""
+
+
+_LLAMA_NOTE = "2 per layer (o_proj -> +res -> post_attention_layernorm, down_proj -> +res -> next input norm)"
+
+ARCHS: dict[str, ArchSpec] = {
+    a.name: a
+    for a in [
+        ArchSpec("llama", "LlamaConfig", "LlamaForCausalLM", note=_LLAMA_NOTE + "; untied: embedding replicated"),
+        # Tied embeddings (Llama-3.2-1B/3B): transformers 5.x makes the embedding vocab-parallel
+        # (embedding_rowwise) for every tied model: all_reduce -> layer 0's input norm, the sum
+        # becoming the residual.
+        ArchSpec("llama_tied", "LlamaConfig", "LlamaForCausalLM", extra=dict(tie_word_embeddings=True),
+                 note=_LLAMA_NOTE + "; +1 vocab-parallel (tied) embedding"),
+        # attention_bias / mlp_bias: o_proj and down_proj get a bias, added after the all_reduce
+        ArchSpec("llama_bias", "LlamaConfig", "LlamaForCausalLM", extra=dict(attention_bias=True, mlp_bias=True),
+                 note="Llama with row-parallel biases: all_reduce -> +bias -> +res -> norm"),
+        ArchSpec("mistral", "MistralConfig", "MistralForCausalLM", extra=dict(sliding_window=None),
+                 note=_LLAMA_NOTE),
+        ArchSpec("qwen2", "Qwen2Config", "Qwen2ForCausalLM", note=_LLAMA_NOTE + "; q/k/v biases (column-parallel)"),
+        ArchSpec("qwen3", "Qwen3Config", "Qwen3ForCausalLM", qk_norm=True,
+                 note=_LLAMA_NOTE + "; q_norm/k_norm per head, no all_reduce before them: left alone"),
+        ArchSpec("mixtral", "MixtralConfig", "MixtralForCausalLM", extra=dict(sliding_window=None),
+                 tiny_extra=dict(num_local_experts=4, num_experts_per_tok=2),
+                 note="2 per layer: o_proj, and the experts' all_reduce after their weighted sum (moe_tp_experts)"),
+        ArchSpec("gemma2", "Gemma2Config", "Gemma2ForCausalLM", sandwich=True, embed_scale=True, sliding_cache=True,
+                 note="2 per layer, sandwich: all_reduce -> (1+w) norm -> +res; +1 vocab-parallel (tied) "
+                      "embedding"),
+        ArchSpec("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", sandwich=True, embed_scale=True, qk_norm=True,
+                 sliding_cache=True, note="as gemma2, plus per-head q/k norms (left alone)"),
+    ]
+}
+
+
+def vocab_parallel_embedding(config) -> bool:
+    """The plan shards the embedding by vocab: one all_reduce after it (transformers 5.x: tied models)."""
+    return (getattr(config, "base_model_tp_plan", None) or {}).get("embed_tokens") == "embedding_rowwise"
+
+
+def expected_fused_sites(config) -> int:
+    """All_reduce sites an all_reduce -> (+bias) -> (+residual) -> RMSNorm rewrite must fuse.
+
+    Per layer two row-parallel outputs are reduced (o_proj, and down_proj or the experts' sum),
+    and each reaches an RMSNorm: through the residual add (Llama family: post_attention_layernorm,
+    then the next layer's input norm or the final norm) or directly (Gemma's sandwich:
+    post_attention_layernorm, post_feedforward_layernorm). A vocab-parallel embedding adds one
+    (its all_reduce feeds layer 0's input norm).
+    """
+    return 2 * config.num_hidden_layers + int(vocab_parallel_embedding(config))
+
+
+def make_config(arch: str, size: str = "tiny", *, layers: Optional[int] = None, **overrides: Any):
+    """A transformers config for ``arch`` at ``size`` dims; ``overrides`` win."""
+    import transformers
+
+    spec, s = ARCHS[arch], SIZES[size]
+    kw: dict[str, Any] = dict(
+        vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
+        num_hidden_layers=layers if layers is not None else s.layers,
+        num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
+        max_position_embeddings=s.max_positions,
+    )
+    if spec.name.startswith("gemma"):
+        kw["query_pre_attn_scalar"] = s.head_dim  # Gemma's default (256) belongs to its own head_dim
+    kw.update(spec.extra)
+    if size == "tiny":
+        kw.update(spec.tiny_extra)
+    kw.update(overrides)
+    return getattr(transformers, spec.config_cls)(**kw)
+
+
+# ----------------------------------------------------------------------------- build and shard
+
+
+def build_model(arch: str, size: str = "tiny", *, layers: Optional[int] = None, tp: bool = True, seed: int = 0,
+                dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
+                keep_grad_hooks: bool = False, **config_overrides: Any):
+    """A causal LM with random weights from ``seed``, sharded over the default process group if ``tp``.
+
+    Every rank must call it with the same arguments (same seed: the same full weights, of which
+    each rank keeps its slice). ``tp=False`` builds the unsharded model with the same weights.
+    The model is in eval mode; run it under ``torch.no_grad()`` (the inference path of the plan).
+    """
+    import transformers
+
+    spec = ARCHS[arch]
+    cls = getattr(transformers, spec.model_cls)
+    config = make_config(arch, size, layers=layers, **config_overrides)
+    torch.manual_seed(seed)  # seeds CUDA too: same weights on every rank and device
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        model = cls._from_config(config, dtype=dtype)
+    if tp and dist.is_initialized() and dist.get_world_size() > 1:
+        model = shard_with_tp_plan(model, device=device)
+        if not keep_grad_hooks:
+            drop_grad_sync_hooks(model)
+    return model.eval()
+
+
+def shard_with_tp_plan(model, device: Optional[torch.device] = None):
+    """Shard ``model`` with its own ``tp_plan`` over every rank of the default process group."""
+    from transformers.distributed import DistributedConfig
+
+    cls = type(model)
+    if device is not None and torch.device(device).type != "cpu":
+        # transformers binds the mesh to LOCAL_RANK's device; torchrun sets it, spawned ranks do not.
+        os.environ.setdefault("LOCAL_RANK", str(torch.device(device).index or 0))
+    dc, _, mesh = cls.prepare_distribute_model(DistributedConfig(tp_size=dist.get_world_size(), tp_plan="auto"))
+    return cls.maybe_distribute_model(model, dc, mesh)
+
+
+def drop_grad_sync_hooks(model) -> int:
+    """Remove the backward hooks ``replicated_with_grad_allreduce`` puts on q/k norms; returns how many.
+
+    They sum the norm weights' gradients across ranks, so they do nothing in inference, but
+    Dynamo cannot trace a module with full backward hooks (see the module docstring).
+    """
+    removed = 0
+    for mod in model.modules():
+        for key, hook in list(mod._backward_hooks.items()):
+            if "ReplicatedWithGradAllReduce" in getattr(hook, "__qualname__", ""):
+                del mod._backward_hooks[key]
+                removed += 1
+    return removed
+
+
+def prompt(batch: int, tokens: int, vocab: int, seed: int, device: Optional[torch.device] = None) -> torch.Tensor:
+    """Token ids, the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, tokens), generator=g).to(device)
+
+
+def is_sharded(model) -> bool:
+    """True if any parameter is a DTensor (the plan was applied)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- nocomm
+
+
+@contextlib.contextmanager
+def without_all_reduce() -> Iterator[None]:
+    """Every all_reduce is the identity while inside: the "nocomm" ceiling (wrong results).
+
+    Patches ``torch.distributed.all_reduce`` (row-parallel Linear and MoE experts under
+    no_grad) and ``funcol.all_reduce`` (DTensor Partial -> Replicate: the vocab-parallel
+    embedding). Dynamo reads both at trace time, so compile *and* run the model inside; all
+    other collectives (the lm_head's all_gather) are kept.
+    """
+    import torch.distributed._functional_collectives as funcol
+
+    orig_dist, orig_funcol = dist.all_reduce, funcol.all_reduce
+
+    def all_reduce_noop(tensor, op=None, group=None, async_op=False):
+        return None
+
+    def funcol_all_reduce_identity(self, reduceOp="sum", group=None, tag=""):
+        return self
+
+    dist.all_reduce, funcol.all_reduce = all_reduce_noop, funcol_all_reduce_identity
+    try:
+        yield
+    finally:
+        dist.all_reduce, funcol.all_reduce = orig_dist, orig_funcol
+
+
+# ----------------------------------------------------------------------------- graph inspection
+
+
+@dataclasses.dataclass
+class PassGraph:
+    """One post-grad graph as the tokenweave passes received it, and what they left."""
+
+    before: str
+    after: str
+    #: RMSNorms (rsqrt nodes) by normalized size, before and after the passes
+    norms_before: dict[int, int]
+    norms_after: dict[int, int]
+
+
+def rmsnorm_sizes(graph: torch.fx.Graph) -> dict[int, int]:
+    """Count the graph's RMSNorms (``rsqrt(mean(x^2, -1) + eps)``) by the size they normalize over."""
+    sizes: Counter = Counter()
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target != torch.ops.aten.rsqrt.default:
+            continue
+        size = -1
+        add = n.args[0]
+        mean = add.args[0] if isinstance(add, torch.fx.Node) and add.args else None
+        if isinstance(mean, torch.fx.Node) and mean.target == torch.ops.aten.mean.dim:
+            sq = mean.args[0]
+            v = sq.meta.get("val") if isinstance(sq, torch.fx.Node) else None
+            if isinstance(v, torch.Tensor):
+                size = int(v.shape[-1])
+        sizes[size] += 1
+    return dict(sizes)
+
+
+@contextlib.contextmanager
+def capture_pass_graphs() -> Iterator[list[PassGraph]]:
+    """Record every post-grad graph the tokenweave pass manager sees (Inductor or aot_eager)."""
+    from weave_compile.passes.pass_manager import WeavePassManager
+
+    graphs: list[PassGraph] = []
+    orig = WeavePassManager.__call__
+
+    def recording_call(self, graph):
+        before, norms_before = str(graph), rmsnorm_sizes(graph)
+        out = orig(self, graph)
+        graphs.append(PassGraph(before, str(graph), norms_before, rmsnorm_sizes(graph)))
+        return out
+
+    WeavePassManager.__call__ = recording_call
+    try:
+        yield graphs
+    finally:
+        WeavePassManager.__call__ = orig
+
+
+def excerpt(graph_text: str, node: str, max_lines: int = 16) -> str:
+    """The lines of a printed FX graph that define ``node`` and what it feeds, in graph order.
+
+    A forward data-flow slice (for reports): the all_reduce, its wait, and the ops downstream of
+    it, up to ``max_lines`` lines.
+    """
+    names, out = {node}, []
+    for line in graph_text.splitlines():
+        stripped = line.strip()
+        if not stripped.startswith("%") or " = " not in stripped:
+            continue
+        name = stripped[1:].split(" ", 1)[0]
+        args = stripped.split(" = ", 1)[1]
+        if name == node or any(f"%{n}," in args or f"%{n})" in args or f"%{n}]" in args for n in names):
+            names.add(name)
+            out.append(stripped)
+            if len(out) >= max_lines:
+                break
+    return "\n".join(out)
