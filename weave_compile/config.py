@@ -29,9 +29,10 @@ class TokenWeaveConfig:
     #: capability, size and dtype; the others force one (a forced kernel that cannot run
     #: falls back to ``reference`` with a logged reason).
     kernel: KernelChoice = "auto"
-    #: Thread blocks the fused communication kernel may occupy (TokenWeave: 2-8 while
-    #: overlapping, 16 otherwise).
-    comm_ctas: int = 16
+    #: Thread blocks the fused communication kernel may occupy (1-32). 32 measured fastest on
+    #: 2x H200 at every T >= 512 without overlap (benchmarks/NOTES.md); TokenWeave uses 2-8
+    #: while overlapping.
+    comm_ctas: int = 32
     #: What compiles the rewritten graph: ``inductor`` (the product) or ``aot_eager``
     #: (runs the rewritten ATen graph op by op; for debugging and fast tests).
     compiler: Compiler = "inductor"
@@ -41,8 +42,8 @@ class TokenWeaveConfig:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             _check_type(field.name, value, hints[field.name])
-        if self.comm_ctas < 1 or self.comm_ctas > 128:
-            raise ValueError(f"tokenweave option 'comm_ctas' must be in [1, 128], got {self.comm_ctas}")
+        if self.comm_ctas < 1 or self.comm_ctas > 32:  # the kernels' signal-pad budget per channel
+            raise ValueError(f"tokenweave option 'comm_ctas' must be in [1, 32], got {self.comm_ctas}")
 
     @classmethod
     def valid_keys(cls) -> list[str]:
