@@ -302,6 +302,27 @@ def match_site(ar: fx.Node) -> SiteMatch:
 # ----------------------------------------------------------------------------- pass
 
 
+#: Rows reserved at compile time at least: a later, larger T grows the workspace at run time.
+MIN_RESERVED_ROWS = 8192
+
+
+def _reserve_workspace(group: str, tx: torch.Tensor, residual_dtype: torch.dtype, out_dtype: torch.dtype) -> None:
+    """Allocate the symmetric workspace now, outside any CUDA-graph pool.
+
+    Run-time allocation would land in the pool of cudagraph trees' warm-up under
+    mode="reduce-overhead" (which rejects live allocations it does not own). Collective: every
+    rank compiles the same graph.
+    """
+    from weave_compile.kernels import symm_mem_allreduce_rmsnorm as symm
+
+    rows = 1
+    for d in tx.shape[:-1]:
+        hint = d if isinstance(d, int) else d.node.hint
+        rows *= int(hint) if hint is not None else MIN_RESERVED_ROWS
+    symm.reserve(group, tx.dtype, int(tx.shape[-1]), max(rows, MIN_RESERVED_ROWS), out_dtype=out_dtype,
+                 residual_dtype=residual_dtype, device=tx.device)
+
+
 class FuseAllReduceRMSNormPass:
     """Rewrite every matchable site, in graph order, and record every all_reduce in the report."""
 
@@ -345,6 +366,8 @@ class FuseAllReduceRMSNormPass:
         else:
             kernel, kernel_reason = select_kernel(self.config.kernel, tx.device, (tx.dtype, tres.dtype, tout.dtype),
                                                   tx.shape[-1], group)
+            if kernel in ("p2p", "multimem"):
+                _reserve_workspace(group, tx, tres.dtype, tout.dtype)
         # Replay the chain's views on x so the op sees the residual's shape.
         xin = x
         insert_after = anchor
