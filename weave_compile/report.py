@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Optional
 
 
 @dataclasses.dataclass
@@ -93,6 +92,3 @@ def reset() -> None:
     with _lock:
         _report.graphs.clear()
 
-
-def current_or_none(graph: Optional[GraphReport]) -> GraphReport:
-    return graph if graph is not None else new_graph("standalone pass")
