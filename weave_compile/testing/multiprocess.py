@@ -24,7 +24,10 @@ from typing import Any, Callable, Optional
 
 # Ranks share the machine: keep each to one intra-op thread so two ranks on two cores do not
 # oversubscribe (and Inductor's C++ compile workers stay in-process).
-_CHILD_ENV = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+_CHILD_ENV = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
+              # A graph served from Inductor's caches skips the passes, so explain() has no site
+              # list: ranks always compile, whatever an earlier run left in the cache directory.
+              "TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
 # Once one rank has failed, its peers are likely blocked in a collective: give them this long.
 _GRACE_AFTER_ERROR_S = 15.0
 
