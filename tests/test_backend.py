@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
@@ -84,3 +85,29 @@ def test_pass_manager_uuid_covers_config():
     assert a == WeavePassManager(TokenWeaveConfig()).uuid()
     assert a != WeavePassManager(TokenWeaveConfig(comm_ctas=4)).uuid()
     assert a != WeavePassManager(TokenWeaveConfig(kernel="reference")).uuid()
+
+
+def _compile_twice_with_fx_cache(rank, world_size):
+    import weave_compile
+    from weave_compile.testing.models import LlamaDims, TPLlama
+
+    d = LlamaDims(layers=1)
+    model = TPLlama(d, tp=world_size, rank=rank, group=dist.group.WORLD)
+    tokens = torch.randint(0, d.vocab, (1, 6), generator=torch.Generator().manual_seed(0))
+    reports = []
+    with torch.no_grad():
+        for _ in range(2):  # the second compile is served from Inductor's FX graph cache
+            weave_compile.reset()
+            torch._dynamo.reset()
+            torch.compile(model, backend="tokenweave")(tokens)
+            rep = weave_compile.explain()
+            reports.append(([g.note for g in rep.graphs], [(s.node, s.fused, s.reason, s.residual) for s in rep.sites]))
+    return reports
+
+
+def test_explain_survives_an_fx_graph_cache_hit(tmp_path):
+    env = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    for first, second in assert_ranks_ok(run_ranks(_compile_twice_with_fx_cache, 2, timeout=400, env=env)):
+        assert first[0] == [""] and len(first[1]) == 3 and all(s[1] for s in first[1])
+        assert "FX graph cache" in second[0][0], second
+        assert second[1] == first[1]  # the same sites, as recorded when compiled

@@ -51,13 +51,71 @@ def _compile(gm, example_inputs, config: TokenWeaveConfig, passes: Optional[Weav
     if passes is None:
         return compile_fx(gm, example_inputs, config_patches=inductor_patches or None)
     hits = counters["inductor"]["fxgraph_cache_hit"]
+    key = _report_key(gm, example_inputs, passes)
     compiled = compile_fx(gm, example_inputs,
                           config_patches={**inductor_patches, "post_grad_custom_post_pass": passes})
-    if not passes.graph_reports and counters["inductor"]["fxgraph_cache_hit"] > hits:
-        report_mod.new_graph("inductor", note=(
-            "served from Inductor's FX graph cache: the passes ran when it was first compiled and "
-            "their site list is not stored; set TORCHINDUCTOR_FX_GRAPH_CACHE=0 to see it"))
+    if passes.graph_reports:
+        _store_reports(key, passes.graph_reports)
+    elif counters["inductor"]["fxgraph_cache_hit"] > hits:
+        # The passes did not run: show what they did when this graph was compiled.
+        stored = _load_reports(key)
+        for payload in stored or []:
+            report_mod.graph_from_json("inductor", "served from Inductor's FX graph cache; sites as "
+                                       "recorded when it was compiled", payload)
+        if not stored:
+            report_mod.new_graph("inductor", note=(
+                "served from Inductor's FX graph cache: the passes ran when it was first compiled and "
+                "no site list was recorded; set TORCHINDUCTOR_FX_GRAPH_CACHE=0 to see it"))
     return compiled
+
+
+def _report_key(gm, example_inputs, passes: WeavePassManager) -> str:
+    """The Dynamo graph, its inputs' metadata, the passes and the machine: what the report depends on."""
+    import hashlib
+
+    metas = [(tuple(str(d) for d in t.shape), str(t.dtype), str(t.device)) if isinstance(t, torch.Tensor)
+             else repr(t) for t in example_inputs]
+    machine = (dist.get_world_size() if dist.is_initialized() else 1,
+               torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    text = f"{gm.code}\n{metas}\n{passes.uuid()}\n{machine}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _reports_dir() -> str:
+    import os
+
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:  # older layouts
+        from torch._inductor.runtime.runtime_utils import cache_dir
+    path = os.path.join(cache_dir(), "tokenweave_reports")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _store_reports(key: str, graphs) -> None:
+    import os
+    import tempfile
+
+    try:
+        directory = _reports_dir()
+        fd, tmp = tempfile.mkstemp(dir=directory)
+        with os.fdopen(fd, "w") as f:
+            f.write(report_mod.dumps(graphs))
+        os.replace(tmp, os.path.join(directory, key + ".json"))
+    except OSError as e:  # a report we cannot keep must not fail the compile
+        log.warning("tokenweave: could not record the explain report for the FX graph cache: %s", e)
+
+
+def _load_reports(key: str):
+    import json
+    import os
+
+    try:
+        with open(os.path.join(_reports_dir(), key + ".json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def _aot_eager(gm, example_inputs, passes: Optional[WeavePassManager]):

@@ -8,6 +8,7 @@ sites of one compiled graph. Reports accumulate in this process until :func:`res
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 
 
@@ -69,6 +70,22 @@ class WeaveReport:
             for r in rows:
                 lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
         return "\n".join(lines)
+
+
+def graph_to_json(g: GraphReport) -> dict:
+    return {"sites": [dataclasses.asdict(s) for s in g.sites], "op_counts": g.op_counts}
+
+
+def graph_from_json(compiler: str, note: str, payload: dict) -> GraphReport:
+    """A recorded graph report, re-registered (for graphs Inductor serves from its cache)."""
+    g = new_graph(compiler, note)
+    g.sites = [SiteReport(**s) for s in payload["sites"]]
+    g.op_counts = {k: tuple(v) for k, v in payload["op_counts"].items()}
+    return g
+
+
+def dumps(graphs: list[GraphReport]) -> str:
+    return json.dumps([graph_to_json(g) for g in graphs])
 
 
 _lock = threading.Lock()
