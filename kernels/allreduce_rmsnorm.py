@@ -178,9 +178,9 @@ def select_kernel(
     except Exception as e:  # triton or symmetric memory unavailable
         return "reference", f"symmetric-memory kernels unavailable ({type(e).__name__}: {e})"
     variant, reason = symm.select_symm_variant(group_name, device, dtypes[0], hidden)
-    for dt in dtypes[1:]:
-        if variant is not None and (dt not in symm.SUPPORTED_DTYPES or hidden % symm.vector_width(dt)):
-            variant, reason = None, f"{dt} output/residual unsupported at hidden {hidden}"
+    why = symm.check_hidden(hidden, dtypes[1:])  # the residual's and output's dtypes too
+    if variant is not None and why:
+        variant, reason = None, why
     if variant is None:
         return "reference", reason
     if requested == "auto":

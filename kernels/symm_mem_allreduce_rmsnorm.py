@@ -176,7 +176,7 @@ def _sig_dtype(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
 
 
-def _check_hidden(hidden: int, dtypes) -> Optional[str]:
+def check_hidden(hidden: int, dtypes) -> Optional[str]:
     """None if ``hidden`` is usable with all of ``dtypes``, else the reason."""
     if hidden <= 0 or hidden > MAX_HIDDEN:
         return f"hidden size {hidden} outside (0, {MAX_HIDDEN}] (a row must fit in registers)"
@@ -1186,7 +1186,7 @@ def fused_allreduce_rmsnorm_symm(
     in_dtype = x.dtype
     residual_dtype = residual_dtype or (residual.dtype if residual is not None else in_dtype)
     out_dtype = out_dtype or in_dtype
-    why = _check_hidden(H, [in_dtype, out_dtype, residual_dtype])
+    why = check_hidden(H, [in_dtype, out_dtype, residual_dtype])
     if why:
         raise ValueError(why)
     if mid_dtype is not None and mid_dtype not in SUPPORTED_DTYPES:
@@ -1295,7 +1295,7 @@ def select_symm_variant(group_name: str, device, dtype: torch.dtype, hidden: int
         return None, "triton is not available"
     if dtype not in SUPPORTED_DTYPES:
         return None, f"dtype {dtype} not supported (bf16, fp16, fp32 only)"
-    why = _check_hidden(int(hidden), [dtype])
+    why = check_hidden(int(hidden), [dtype])
     if why:
         return None, why
     if handle is None:
@@ -1355,7 +1355,7 @@ def compile_variant_ptx(variant: str, dtype: torch.dtype, hidden: int,
 
     out_dtype = out_dtype or dtype
     residual_dtype = residual_dtype or dtype
-    why = _check_hidden(hidden, [dtype, out_dtype, residual_dtype])
+    why = check_hidden(hidden, [dtype, out_dtype, residual_dtype])
     if why:
         raise ValueError(why)
     meta = _launch_meta(hidden, 1 << 20, _DEFAULT_NUM_CTAS, num_warps)
