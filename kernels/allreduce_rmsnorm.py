@@ -287,3 +287,61 @@ def allreduce_add_rmsnorm_ref(
     if weight is not None:
         y = y * (weight.double() + weight_offset)
     return y, acc
+
+
+# ----------------------------------------------------------------------------- async form
+
+
+_lib = torch.library.Library("weave", "FRAGMENT")
+# The same schema as weave::allreduce_add_rmsnorm. Its kernels run one at a time on the comm
+# stream, so both halves share the workspace's channel 0.
+_lib.define(str(allreduce_add_rmsnorm._opoverload._schema)
+            .replace("weave::allreduce_add_rmsnorm(", "allreduce_add_rmsnorm_start(", 1))
+
+
+@torch.library.impl("weave::allreduce_add_rmsnorm_start", "CompositeExplicitAutograd", lib=_lib)
+def allreduce_add_rmsnorm_start(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weave::allreduce_add_rmsnorm`` launched on the communication stream (the split schedule's form).
+
+    Same arguments and results, but on CUDA the work is enqueued on
+    :func:`weave_compile.streams.comm_stream` after everything already enqueued on the current
+    stream, and the results are valid on the current stream only after the matching
+    ``weave::comm_wait``. The graph passes ``x`` and ``residual`` to that wait as well, so their
+    memory is not reused while the communication stream may still read it. On CPU it runs
+    synchronously (gloo is blocking) and the wait is a no-op.
+    """
+    x = args[0]
+    if not x.is_cuda:
+        return allreduce_add_rmsnorm(*args)
+    from weave_compile import streams
+
+    current = torch.cuda.current_stream(x.device)
+    with torch.cuda.stream(streams.fork(x.device)):
+        normed, residual_out = allreduce_add_rmsnorm(*args)
+    # Allocated on the comm stream, freed by code on the current one: tell the allocator.
+    normed.record_stream(current)
+    residual_out.record_stream(current)
+    return normed, residual_out
+
+
+@torch.library.register_fake("weave::allreduce_add_rmsnorm_start", lib=_lib)
+def _(*args):
+    return torch.ops.weave.allreduce_add_rmsnorm.default(*args)
+
+
+@torch.library.custom_op("weave::comm_wait", mutates_args=("normed", "residual_out"))
+def comm_wait(normed: torch.Tensor, residual_out: torch.Tensor, keep_alive: list[torch.Tensor]) -> None:
+    """Make the current stream wait for the communication stream (joins ``..._start``).
+
+    Declared as writing ``normed`` and ``residual_out`` so that the compiler orders every reader
+    of the results after it; ``keep_alive`` (the start's inputs) holds their memory until here.
+    """
+    if normed.is_cuda:
+        from weave_compile import streams
+
+        streams.join(normed.device)
+
+
+@comm_wait.register_fake
+def _(normed, residual_out, keep_alive):
+    return None

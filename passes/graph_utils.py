@@ -62,7 +62,15 @@ def fake_mode_of(graph: fx.Graph):
 
 
 def _fake_args(args):
-    return tuple(val(a) if isinstance(a, fx.Node) else a for a in args)
+    """FakeTensors / SymInts for the nodes in ``args``, lists included (as plain lists: some
+    schemas reject FX's immutable_list)."""
+
+    def fake(a):
+        if isinstance(a, (list, tuple)):
+            return [fake(b) for b in a] if isinstance(a, list) else tuple(fake(b) for b in a)
+        return a.meta.get("val") if isinstance(a, fx.Node) else a
+
+    return tuple(fake(a) for a in args)
 
 
 def call_with_meta(graph: fx.Graph, fake_mode, target, args: tuple) -> fx.Node:

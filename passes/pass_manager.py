@@ -2,9 +2,12 @@
 
 1. ``fuse``  (:mod:`.fuse_allreduce_rmsnorm`): all_reduce -> (+bias) -> (+residual) -> RMSNorm
    becomes one ``weave::allreduce_add_rmsnorm`` op.
-2. ``shard`` (:mod:`.shard_residual`): residuals passed only between fused sites stay sharded.
+2. ``split`` (:mod:`.split_tokens`): token prefix/suffix halves, their fused communication on a
+   second stream, TokenWeave's interleaved schedule.
+3. ``shard`` (:mod:`.shard_residual`): residuals passed only between fused sites stay sharded.
 
-Shard runs after fuse because it rewrites fused ops only. The manager is an Inductor
+Split runs after fuse because fused sites delimit its segments; shard runs last because it
+rewrites fused ops only, and per half after a split (each half's residual has its own rows). The manager is an Inductor
 ``CustomGraphPass``: its ``uuid()`` hashes every pass's source and the config, so Inductor's
 FX graph cache never serves a graph compiled by other passes or options.
 """
@@ -23,7 +26,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from weave_compile import report as report_mod
 from weave_compile.config import TokenWeaveConfig
 
-from . import fuse_allreduce_rmsnorm, graph_utils, shard_residual
+from . import fuse_allreduce_rmsnorm, graph_utils, shard_residual, split_tokens
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +42,7 @@ class WeavePassManager(CustomGraphPass):
         self.graph_reports.append(report)
         before = _count_ops(graph)
         fuse_allreduce_rmsnorm.FuseAllReduceRMSNormPass(self.config)(graph, report)
+        split_tokens.SplitTokensPass(self.config)(graph, report)
         if self.config.shard_residual:
             shard_residual.ShardResidualPass()(graph, report)
         graph.lint()
@@ -55,6 +59,7 @@ def _count_ops(graph: fx.Graph) -> dict[str, int]:
     return {
         "all_reduce": sum(graph_utils.is_call(n, graph_utils.ALL_REDUCE_TARGETS) for n in graph.nodes),
         "weave.allreduce_add_rmsnorm": sum(graph_utils.is_call(n, fused) for n in graph.nodes),
+        "weave.allreduce_add_rmsnorm_start": sum(graph_utils.is_call(n, split_tokens.START_OP) for n in graph.nodes),
     }
 
 
@@ -63,6 +68,10 @@ def _sources_digest() -> str:
     from weave_compile.kernels import allreduce_rmsnorm
 
     h = hashlib.sha256()
-    for mod in (sys.modules[__name__], fuse_allreduce_rmsnorm, shard_residual, graph_utils, allreduce_rmsnorm):
+    from weave_compile import smart_split
+    from weave_compile.kernels import causal_suffix_attention
+
+    for mod in (sys.modules[__name__], fuse_allreduce_rmsnorm, shard_residual, split_tokens, graph_utils,
+                allreduce_rmsnorm, smart_split, causal_suffix_attention):
         h.update(inspect.getsource(mod).encode())
     return h.hexdigest()

@@ -10,6 +10,9 @@ Rewrite to the same ops with ``residual_out_sharded=True`` on the producer and
 rows, which the next site reads directly. As in TokenWeave each rank owns the same rows every
 layer, so nothing is gathered, and each rank adds and stores 1/N of the residual.
 
+The split pass's per-half ``weave.allreduce_add_rmsnorm_start`` ops are treated the same (their
+``weave.comm_wait`` reads only order and hold memory, they do not use the values).
+
 A residual read by anything else (the model's output, a non-fused op) stays full: the producing
 op gathers it. A residual nobody reads (the last layer) is left sharded, which skips its gather.
 """
@@ -24,10 +27,15 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from weave_compile.report import GraphReport
 
+import torch
+
 from .fuse_allreduce_rmsnorm import FUSED_OP
 from .graph_utils import fake_mode_of, is_call, val
 
 log = logging.getLogger(__name__)
+
+_FUSED = (FUSED_OP, torch.ops.weave.allreduce_add_rmsnorm_start.default)
+_WAIT = torch.ops.weave.comm_wait.default
 
 # Argument positions in weave::allreduce_add_rmsnorm's schema.
 _X, _RESIDUAL, _IN_SHARDED, _OUT_SHARDED = 0, 1, 10, 11
@@ -45,20 +53,20 @@ def _same_rows(a: fx.Node, b: fx.Node) -> bool:
 
 class ShardResidualPass:
     def __call__(self, graph: fx.Graph, report: GraphReport) -> None:
-        fused_nodes = [n for n in graph.nodes if is_call(n, FUSED_OP)]
+        fused_nodes = [n for n in graph.nodes if is_call(n, *_FUSED)]
         kept_full: dict[fx.Node, str] = {}
         changed: set[fx.Node] = set()
         for fused in fused_nodes:
             item = _residual_item(fused)
-            readers = list(item.users) if item is not None else []
+            readers = [u for u in item.users if not is_call(u, _WAIT)] if item is not None else []
             ok = all(
-                is_call(r, FUSED_OP) and r.args[_RESIDUAL] is item
+                is_call(r, *_FUSED) and r.args[_RESIDUAL] is item
                 and item not in (r.args[:_RESIDUAL] + r.args[_RESIDUAL + 1:])
                 and _same_rows(r.args[_X], fused.args[_X])
                 for r in readers
             )
             if not ok:
-                others = sorted({str(r.target) for r in readers if not is_call(r, FUSED_OP)})
+                others = sorted({str(r.target) for r in readers if not is_call(r, *_FUSED)})
                 kept_full[fused] = ", ".join(others) or "a fused site of another shape"
                 continue
             fused.args = _with(fused.args, _OUT_SHARDED, True)
@@ -71,7 +79,7 @@ class ShardResidualPass:
             if node in changed:  # new flags, new output shapes
                 args = tuple(val(a) if isinstance(a, fx.Node) else a for a in node.args)
                 with fake_mode:
-                    node.meta["val"] = FUSED_OP(*args)
+                    node.meta["val"] = node.target(*args)
                 for u in node.users:
                     if is_call(u, operator.getitem):
                         u.meta["val"] = node.meta["val"][u.args[1]]

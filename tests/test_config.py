@@ -6,7 +6,9 @@ from weave_compile.config import TokenWeaveConfig
 def test_defaults_and_valid_keys():
     cfg = TokenWeaveConfig.from_options(None)
     assert cfg == TokenWeaveConfig()
-    assert set(TokenWeaveConfig.valid_keys()) == {"fuse", "shard_residual", "kernel", "comm_ctas", "compiler"}
+    assert set(TokenWeaveConfig.valid_keys()) == {"fuse", "shard_residual", "kernel", "comm_ctas", "split",
+                                                  "split_threshold", "split_at", "num_sms", "compiler"}
+    assert (cfg.split, cfg.split_threshold, cfg.split_at, cfg.num_sms) == (True, 1024, 0, 0)
 
 
 def test_unknown_key_lists_valid_keys():
@@ -19,13 +21,15 @@ def test_unknown_key_lists_valid_keys():
 
 @pytest.mark.parametrize("key,value", [
     ("comm_ctas", "8"), ("comm_ctas", 8.0), ("comm_ctas", True), ("fuse", 1), ("shard_residual", "yes"),
+    ("split", 1), ("split_threshold", 1024.0), ("split_at", None),
 ])
 def test_wrong_type(key, value):
     with pytest.raises(TypeError, match=key):
         TokenWeaveConfig.from_options({key: value})
 
 
-@pytest.mark.parametrize("key,value", [("kernel", "nccl"), ("compiler", "eager"), ("comm_ctas", 0), ("comm_ctas", 33)])
+@pytest.mark.parametrize("key,value", [("kernel", "nccl"), ("compiler", "eager"), ("comm_ctas", 0), ("comm_ctas", 33),
+                                       ("split_threshold", 1), ("split_at", -1), ("num_sms", -4)])
 def test_bad_value(key, value):
     with pytest.raises(ValueError, match=key):
         TokenWeaveConfig.from_options({key: value})

@@ -33,6 +33,16 @@ class TokenWeaveConfig:
     #: 2x H200 at every T >= 512 without overlap (benchmarks/NOTES.md); TokenWeave uses 2-8
     #: while overlapping.
     comm_ctas: int = 32
+    #: Split each layer into a token prefix and suffix whose fused communication runs on a
+    #: second, high-priority stream while the other half computes (TokenWeave's overlap).
+    split: bool = True
+    #: Fewest tokens (batch x sequence) for which the split is used; below it the fused op runs
+    #: unsplit. TokenWeave's value for dense models.
+    split_threshold: int = 1024
+    #: Prefix length to use instead of the computed smart split (0: computed). For sweeps.
+    split_at: int = 0
+    #: SM count the smart split plans GEMM waves for (0: the device's; 132 off-GPU).
+    num_sms: int = 0
     #: What compiles the rewritten graph: ``inductor`` (the product) or ``aot_eager``
     #: (runs the rewritten ATen graph op by op; for debugging and fast tests).
     compiler: Compiler = "inductor"
@@ -44,6 +54,12 @@ class TokenWeaveConfig:
             _check_type(field.name, value, hints[field.name])
         if self.comm_ctas < 1 or self.comm_ctas > 32:  # the kernels' signal-pad budget per channel
             raise ValueError(f"tokenweave option 'comm_ctas' must be in [1, 32], got {self.comm_ctas}")
+        if self.split_threshold < 2:
+            raise ValueError(f"tokenweave option 'split_threshold' must be >= 2 (two non-empty halves), "
+                             f"got {self.split_threshold}")
+        for name in ("split_at", "num_sms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"tokenweave option {name!r} must be >= 0, got {getattr(self, name)}")
 
     @classmethod
     def valid_keys(cls) -> list[str]:

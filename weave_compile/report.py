@@ -37,6 +37,8 @@ class GraphReport:
     sites: list[SiteReport] = dataclasses.field(default_factory=list)
     #: ``{"all_reduce": (before, after), "weave.allreduce_add_rmsnorm": (before, after)}``
     op_counts: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    #: the split pass's summary (``passes.split_tokens.SplitSummary``), None if it did not run
+    split: object = None
 
     @property
     def matched_count(self) -> int:
@@ -63,6 +65,8 @@ class WeaveReport:
             counts = ", ".join(f"{k} {a}->{b}" for k, (a, b) in g.op_counts.items())
             lines.append(f"graph {g.graph_id} [{g.compiler}]" + (f": {g.note}" if g.note else "")
                          + (f" ({counts})" if counts else ""))
+            if g.split is not None:
+                lines.append("  " + g.split.describe())
             rows = [header] + [s.row() for s in g.sites]
             if len(rows) == 1:
                 continue
@@ -73,7 +77,8 @@ class WeaveReport:
 
 
 def graph_to_json(g: GraphReport) -> dict:
-    return {"sites": [dataclasses.asdict(s) for s in g.sites], "op_counts": g.op_counts}
+    return {"sites": [dataclasses.asdict(s) for s in g.sites], "op_counts": g.op_counts,
+            "split": g.split.describe() if g.split is not None else None}
 
 
 def graph_from_json(compiler: str, note: str, payload: dict) -> GraphReport:
@@ -81,7 +86,17 @@ def graph_from_json(compiler: str, note: str, payload: dict) -> GraphReport:
     g = new_graph(compiler, note)
     g.sites = [SiteReport(**s) for s in payload["sites"]]
     g.op_counts = {k: tuple(v) for k, v in payload["op_counts"].items()}
+    if payload.get("split"):
+        g.split = _Recorded(payload["split"])
     return g
+
+
+@dataclasses.dataclass
+class _Recorded:
+    text: str
+
+    def describe(self) -> str:
+        return self.text
 
 
 def dumps(graphs: list[GraphReport]) -> str:

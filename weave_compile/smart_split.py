@@ -72,3 +72,22 @@ def smart_split(t: int, layer: LayerShape, num_sms: int, tile_m: int = 128, tile
         return abs(a - b)
 
     return min(ok, key=lambda s: (imbalance(s), s))
+
+
+#: SM count assumed where the graph is not on a GPU (CPU tests): an H100/H200's.
+DEFAULT_NUM_SMS = 132
+
+
+def choose_split(t: int, layer: LayerShape, num_sms: int, forced: int = 0, tile_m: int = 128) -> int:
+    """The prefix length the split pass uses for ``t >= 2`` tokens: always in ``[1, t - 1]``.
+
+    ``forced > 0`` pins it (benchmark sweeps), clamped into range; otherwise :func:`smart_split`,
+    or ``t // 2`` when ``t`` is too short for two tile-aligned halves.
+    """
+    if t < 2:
+        raise ValueError(f"cannot split {t} token(s) into two non-empty halves")
+    if forced > 0:
+        return min(max(forced, 1), t - 1)
+    s = smart_split(t, layer, num_sms, tile_m)
+    return s if s > 0 else t // 2
+

@@ -1,0 +1,215 @@
+"""Per-layer prefill latency of a TP=2 Llama stack: default vs nocomm vs fused vs fused+split.
+
+TokenWeave's Figures 9 and 11 as one script. Run on 2 GPUs:
+
+    torchrun --nproc-per-node 2 benchmarks/bench_split.py --dims 8b --out benchmarks/results
+    torchrun --nproc-per-node 2 benchmarks/bench_split.py --dims 8b --sweep 8192,16384 --out ...
+
+Model: ``weave_compile.testing.models.TPLlama`` (Megatron-style TP, vocab-parallel embedding,
+``--layers`` decoder layers, bf16, batch 1), Llama-3-8B dims (H=4096, I=14336, 32/8 heads) or
+70B dims (H=8192, I=28672, 64/8 heads); the vocabulary is cut to 32000 (the embedding is a
+gather: its size does not change the time).
+
+Variants, every one ``torch.compile``d in this process and timed side by side:
+
+* ``default``   Inductor, ``dist.all_reduce`` through NCCL (what users get today)
+* ``nocomm``    the same graph with every all_reduce deleted (wrong results: the ceiling)
+* ``fused``     ``backend="tokenweave"`` with ``split=False`` (fused AllReduce-RMSNorm only)
+* ``split``     ``backend="tokenweave"``: fused + token split + two-stream overlap
+
+The main comparison compiles once per variant with the token dimension dynamic (so the split
+uses equal halves, T // 2). ``--sweep T,...`` instead compiles static graphs at each T: the
+smart split (``weave_compile.smart_split``) and forced split points around T/2, to compare the
+smart choice with the best swept one.
+
+Timing: warm-up, then ``--repeats`` x (barrier, CUDA events around ``--iters`` back-to-back
+forward calls), median per call, max over ranks, divided by the layer count (the embedding's
+gather and the final norm are included, amortized). Rank 0 writes ``split_<dims>.csv`` /
+``split_sweep_<dims>.csv`` and a PNG. Never enables NVLink multicast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import statistics
+import sys
+
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_allreduce_rmsnorm import _triton_version, git_commit  # noqa: E402
+
+COLUMNS = ["gpu", "torch", "triton", "git_commit", "date", "world_size", "dims", "layers", "T", "variant",
+           "split_at", "ms_per_layer"]
+DIMS = {"8b": dict(hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=32000, eps=1e-5),
+        "70b": dict(hidden=8192, heads=64, kv_heads=8, intermediate=28672, vocab=32000, eps=1e-5)}
+
+
+def build(dims: str, layers: int, comm: bool, dev):
+    from weave_compile.testing.models import LlamaDims, TPLlama
+
+    d = LlamaDims(layers=layers, **DIMS[dims])
+    group = dist.group.WORLD if comm else None
+    # Without a group TPLlama keeps its sharded weights and skips every all_reduce ("nocomm").
+    return d, TPLlama(d, tp=dist.get_world_size(), rank=dist.get_rank(), group=group, dtype=torch.bfloat16,
+                      device=dev)
+
+
+def setup() -> tuple[int, torch.device]:
+    """NCCL process group from torchrun's environment; this rank's GPU."""
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(dev)
+    return rank, dev
+
+
+def timed(fn, iters: int, repeats: int) -> float:
+    """Median over repeats of the per-call time (ms), max over ranks."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / iters)
+    t = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dims", choices=sorted(DIMS), default="8b")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--tokens", default="1024,2048,4096,8192,16384")
+    ap.add_argument("--variants", default="default,nocomm,fused,split")
+    ap.add_argument("--sweep", default="", help="T values: static smart split vs forced split points")
+    ap.add_argument("--sweep-offsets", default="-512,-256,-128,0,128,256,512,1024")
+    ap.add_argument("--comm-ctas", type=int, default=32)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = ap.parse_args()
+
+    rank, dev = setup()
+    import weave_compile
+
+    meta = dict(gpu=torch.cuda.get_device_name(dev), torch=torch.__version__, triton=_triton_version(),
+                git_commit=git_commit(), date=datetime.date.today().isoformat(), world_size=dist.get_world_size(),
+                dims=args.dims, layers=args.layers)
+    rows = []
+    tw = {"comm_ctas": args.comm_ctas}
+
+    def tokens_for(t, dynamic):
+        x = torch.randint(0, 32000, (1, t), device=dev, generator=torch.Generator(device=dev).manual_seed(t))
+        if dynamic:
+            torch._dynamo.mark_dynamic(x, 1)
+        return x
+
+    if args.sweep:
+        d, model = build(args.dims, args.layers, True, dev)
+        for t in (int(v) for v in args.sweep.split(",")):
+            points = [0] + sorted({t // 2 + int(o) for o in args.sweep_offsets.split(",") if 0 < t // 2 + int(o) < t})
+            for s in points:
+                torch._dynamo.reset()
+                weave_compile.reset()
+                c = torch.compile(model, backend="tokenweave", dynamic=False, options={**tw, "split_at": s})
+                x = tokens_for(t, False)
+                with torch.no_grad():
+                    ms = timed(lambda: c(x), args.iters, args.repeats) / args.layers
+                text = weave_compile.explain().graphs[-1].split.describe()
+                at = int(text.split(" at ")[1].split(" ")[0])
+                rows.append({**meta, "T": t, "variant": "smart" if s == 0 else "forced", "split_at": at,
+                             "ms_per_layer": f"{ms:.4f}"})
+                if rank == 0:
+                    print(f"T={t} split_at={at} ({'smart' if s == 0 else 'forced'}): {ms:.4f} ms/layer", flush=True)
+        name = f"split_sweep_{args.dims}"
+    else:
+        ts = [int(v) for v in args.tokens.split(",")]
+        for variant in args.variants.split(","):
+            torch._dynamo.reset()
+            weave_compile.reset()
+            d, model = build(args.dims, args.layers, variant != "nocomm", dev)
+            if variant in ("default", "nocomm"):
+                c = torch.compile(model)
+            else:
+                c = torch.compile(model, backend="tokenweave", options={**tw, "split": variant == "split"})
+            for t in ts:
+                x = tokens_for(t, True)
+                with torch.no_grad():
+                    ms = timed(lambda: c(x), args.iters, args.repeats) / args.layers
+                at = t // 2 if variant == "split" else 0
+                rows.append({**meta, "T": t, "variant": variant, "split_at": at, "ms_per_layer": f"{ms:.4f}"})
+                if rank == 0:
+                    print(f"{variant:8s} T={t:6d}: {ms:.4f} ms/layer", flush=True)
+            if rank == 0 and variant in ("fused", "split"):
+                print(weave_compile.explain(), flush=True)
+            del c, model
+            torch.cuda.empty_cache()
+        name = f"split_{args.dims}"
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, name + ".csv")
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=COLUMNS)
+            w.writeheader()
+            w.writerows(rows)
+        print("wrote", path)
+        try:
+            plot(rows, os.path.join(args.out, name + ".png"), sweep=bool(args.sweep))
+        except Exception as e:  # the CSV is the result; a missing matplotlib is not fatal
+            print("plot skipped:", e)
+    dist.destroy_process_group()
+
+
+def plot(rows, path: str, sweep: bool) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    meta = rows[0]
+    if sweep:
+        for t in sorted({int(r["T"]) for r in rows}):
+            pts = sorted((int(r["split_at"]), float(r["ms_per_layer"])) for r in rows
+                         if int(r["T"]) == t and r["variant"] == "forced")
+            ax.plot([p[0] / t for p in pts], [p[1] for p in pts], "o-", label=f"T={t} sweep")
+            smart = [r for r in rows if int(r["T"]) == t and r["variant"] == "smart"]
+            for r in smart:
+                ax.plot(int(r["split_at"]) / t, float(r["ms_per_layer"]), "k*", markersize=12)
+        ax.set_xlabel("split point / T  (star: smart split)")
+        ax.set_ylabel("ms per layer")
+    else:
+        base = {int(r["T"]): float(r["ms_per_layer"]) for r in rows if r["variant"] == "default"}
+        for variant in ("default", "nocomm", "fused", "split"):
+            pts = sorted((int(r["T"]), float(r["ms_per_layer"])) for r in rows if r["variant"] == variant)
+            if pts and base:
+                ax.plot([p[0] for p in pts], [p[1] / base[p[0]] for p in pts], "o-", label=variant)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens (batch 1, prefill)")
+        ax.set_ylabel("latency / torch.compile default")
+    ax.set_title(f"TP=2 Llama-{meta['dims']} dims, {meta['layers']} layers, {meta['gpu']}", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
