@@ -318,6 +318,7 @@ def allreduce_add_rmsnorm_start(*args) -> tuple[torch.Tensor, torch.Tensor]:
     current = torch.cuda.current_stream(x.device)
     with torch.cuda.stream(streams.fork(x.device)):
         normed, residual_out = allreduce_add_rmsnorm(*args)
+    streams.mark_done(normed)
     # Allocated on the comm stream, freed by code on the current one: tell the allocator.
     normed.record_stream(current)
     residual_out.record_stream(current)
@@ -331,7 +332,7 @@ def _(*args):
 
 @torch.library.custom_op("weave::comm_wait", mutates_args=("normed", "residual_out"))
 def comm_wait(normed: torch.Tensor, residual_out: torch.Tensor, keep_alive: list[torch.Tensor]) -> None:
-    """Make the current stream wait for the communication stream (joins ``..._start``).
+    """Make the current stream wait for the start op that produced ``normed`` (only for it).
 
     Declared as writing ``normed`` and ``residual_out`` so that the compiler orders every reader
     of the results after it; ``keep_alive`` (the start's inputs) holds their memory until here.
@@ -339,7 +340,7 @@ def comm_wait(normed: torch.Tensor, residual_out: torch.Tensor, keep_alive: list
     if normed.is_cuda:
         from weave_compile import streams
 
-        streams.join(normed.device)
+        streams.join(normed)
 
 
 @comm_wait.register_fake
