@@ -16,6 +16,11 @@ Variants, every one ``torch.compile``d in this process and timed side by side:
 * ``nocomm``    the same graph with every all_reduce deleted (wrong results: the ceiling)
 * ``fused``     ``backend="tokenweave"`` with ``split=False`` (fused AllReduce-RMSNorm only)
 * ``split``     ``backend="tokenweave"``: fused + token split + two-stream overlap
+* ``V@N``       variant V with ``comm_ctas=N`` (e.g. ``split@16``)
+
+Every variant runs under ``--mode`` (default "reduce-overhead": CUDA graphs). Without CUDA graphs
+a 4-layer stack at these sizes is bound by host launch overhead (the split doubles the launches),
+which hides what the GPU does.
 
 The main comparison compiles once per variant with the token dimension dynamic (so the split
 uses equal halves, T // 2). ``--sweep T,...`` instead compiles static graphs at each T: the
@@ -46,7 +51,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_allreduce_rmsnorm import _triton_version, git_commit  # noqa: E402
 
-COLUMNS = ["gpu", "torch", "triton", "git_commit", "date", "world_size", "dims", "layers", "T", "variant",
+COLUMNS = ["gpu", "torch", "triton", "git_commit", "date", "world_size", "mode", "dims", "layers", "T", "variant",
            "split_at", "ms_per_layer"]
 DIMS = {"8b": dict(hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=32000, eps=1e-5),
         "70b": dict(hidden=8192, heads=64, kv_heads=8, intermediate=28672, vocab=32000, eps=1e-5)}
@@ -100,6 +105,8 @@ def main() -> None:
     ap.add_argument("--sweep", default="", help="T values: static smart split vs forced split points")
     ap.add_argument("--sweep-offsets", default="-512,-256,-128,0,128,256,512,1024")
     ap.add_argument("--comm-ctas", type=int, default=32)
+    ap.add_argument("--mode", default="reduce-overhead", help="torch.compile mode for every variant "
+                    "('default': no CUDA graphs, launch-bound below ~8K tokens)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -113,6 +120,8 @@ def main() -> None:
                 dims=args.dims, layers=args.layers)
     rows = []
     tw = {"comm_ctas": args.comm_ctas}
+    mode = None if args.mode == "default" else args.mode
+    meta["mode"] = args.mode
 
     def tokens_for(t, dynamic):
         x = torch.randint(0, 32000, (1, t), device=dev, generator=torch.Generator(device=dev).manual_seed(t))
@@ -127,7 +136,8 @@ def main() -> None:
             for s in points:
                 torch._dynamo.reset()
                 weave_compile.reset()
-                c = torch.compile(model, backend="tokenweave", dynamic=False, options={**tw, "split_at": s})
+                c = torch.compile(model, backend="tokenweave", dynamic=False, mode=mode,
+                                  options={**tw, "split_at": s})
                 x = tokens_for(t, False)
                 with torch.no_grad():
                     ms = timed(lambda: c(x), args.iters, args.repeats) / args.layers
@@ -143,20 +153,22 @@ def main() -> None:
         for variant in args.variants.split(","):
             torch._dynamo.reset()
             weave_compile.reset()
-            d, model = build(args.dims, args.layers, variant != "nocomm", dev)
-            if variant in ("default", "nocomm"):
-                c = torch.compile(model)
+            kind, _, ctas = variant.partition("@")
+            d, model = build(args.dims, args.layers, kind != "nocomm", dev)
+            if kind in ("default", "nocomm"):
+                c = torch.compile(model, mode=mode)
             else:
-                c = torch.compile(model, backend="tokenweave", options={**tw, "split": variant == "split"})
+                opts = {**tw, "split": kind == "split", **({"comm_ctas": int(ctas)} if ctas else {})}
+                c = torch.compile(model, backend="tokenweave", mode=mode, options=opts)
             for t in ts:
                 x = tokens_for(t, True)
                 with torch.no_grad():
                     ms = timed(lambda: c(x), args.iters, args.repeats) / args.layers
-                at = t // 2 if variant == "split" else 0
+                at = t // 2 if kind == "split" else 0
                 rows.append({**meta, "T": t, "variant": variant, "split_at": at, "ms_per_layer": f"{ms:.4f}"})
                 if rank == 0:
                     print(f"{variant:8s} T={t:6d}: {ms:.4f} ms/layer", flush=True)
-            if rank == 0 and variant in ("fused", "split"):
+            if rank == 0 and kind in ("fused", "split") and t == ts[-1]:
                 print(weave_compile.explain(), flush=True)
             del c, model
             torch.cuda.empty_cache()
@@ -196,14 +208,15 @@ def plot(rows, path: str, sweep: bool) -> None:
         ax.set_ylabel("ms per layer")
     else:
         base = {int(r["T"]): float(r["ms_per_layer"]) for r in rows if r["variant"] == "default"}
-        for variant in ("default", "nocomm", "fused", "split"):
+        for variant in dict.fromkeys(r["variant"] for r in rows):
             pts = sorted((int(r["T"]), float(r["ms_per_layer"])) for r in rows if r["variant"] == variant)
             if pts and base:
                 ax.plot([p[0] for p in pts], [p[1] / base[p[0]] for p in pts], "o-", label=variant)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens (batch 1, prefill)")
         ax.set_ylabel("latency / torch.compile default")
-    ax.set_title(f"TP=2 Llama-{meta['dims']} dims, {meta['layers']} layers, {meta['gpu']}", fontsize=9)
+    ax.set_title(f"TP=2 Llama-{meta['dims']} dims, {meta['layers']} layers, {meta['gpu']}, mode={meta['mode']}",
+                 fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
