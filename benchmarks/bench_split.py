@@ -136,8 +136,8 @@ def main() -> None:
             for s in points:
                 torch._dynamo.reset()
                 weave_compile.reset()
-                c = torch.compile(model, backend="tokenweave", dynamic=False, mode=mode,
-                                  options={**tw, "split_at": s})
+                c = torch.compile(model, backend="tokenweave", dynamic=False,
+                                  options={**tw, "split_at": s, "mode": args.mode})
                 x = tokens_for(t, False)
                 with torch.no_grad():
                     ms = timed(lambda: c(x), args.iters, args.repeats) / args.layers
@@ -159,7 +159,7 @@ def main() -> None:
                 c = torch.compile(model, mode=mode)
             else:
                 opts = {**tw, "split": kind == "split", **({"comm_ctas": int(ctas)} if ctas else {})}
-                c = torch.compile(model, backend="tokenweave", mode=mode, options=opts)
+                c = torch.compile(model, backend="tokenweave", options={**opts, "mode": args.mode})
             for t in ts:
                 x = tokens_for(t, True)
                 with torch.no_grad():

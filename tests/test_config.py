@@ -7,7 +7,7 @@ def test_defaults_and_valid_keys():
     cfg = TokenWeaveConfig.from_options(None)
     assert cfg == TokenWeaveConfig()
     assert set(TokenWeaveConfig.valid_keys()) == {"fuse", "shard_residual", "kernel", "comm_ctas", "split",
-                                                  "split_threshold", "split_at", "num_sms", "compiler"}
+                                                  "split_threshold", "split_at", "num_sms", "mode", "compiler"}
     assert (cfg.split, cfg.split_threshold, cfg.split_at, cfg.num_sms) == (True, 1024, 0, 0)
 
 
@@ -29,7 +29,8 @@ def test_wrong_type(key, value):
 
 
 @pytest.mark.parametrize("key,value", [("kernel", "nccl"), ("compiler", "eager"), ("comm_ctas", 0), ("comm_ctas", 33),
-                                       ("split_threshold", 1), ("split_at", -1), ("num_sms", -4)])
+                                       ("split_threshold", 1), ("split_at", -1), ("num_sms", -4),
+                                       ("mode", "fast")])
 def test_bad_value(key, value):
     with pytest.raises(ValueError, match=key):
         TokenWeaveConfig.from_options({key: value})

@@ -24,10 +24,12 @@ log = logging.getLogger(__name__)
 def tokenweave_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
                        options: Optional[dict[str, Any]] = None, mode: Optional[str] = None):
     """``torch.compile`` hands us ``options=`` or ``mode=`` (Inductor's modes: "reduce-overhead"
-    turns on CUDA graphs, "max-autotune" autotuning), never both."""
+    turns on CUDA graphs, "max-autotune" autotuning), never both: with options, the mode is the
+    ``mode`` option."""
     config = TokenWeaveConfig.from_options(options)
+    mode = mode or config.mode
     inductor_patches: dict[str, Any] = {}
-    if mode is not None and mode != "default":
+    if mode != "default":
         from torch._inductor import list_mode_options
 
         inductor_patches = dict(list_mode_options(mode))

@@ -14,6 +14,7 @@ from typing import Any, Literal, get_args, get_type_hints
 
 KernelChoice = Literal["auto", "reference", "p2p", "multimem"]
 Compiler = Literal["inductor", "aot_eager"]
+Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,9 @@ class TokenWeaveConfig:
     split_at: int = 0
     #: SM count the smart split plans GEMM waves for (0: the device's; 132 off-GPU).
     num_sms: int = 0
+    #: Inductor's mode, for when ``options=`` are given (torch.compile refuses ``mode=`` with
+    #: them): "reduce-overhead" records CUDA graphs.
+    mode: Mode = "default"
     #: What compiles the rewritten graph: ``inductor`` (the product) or ``aot_eager``
     #: (runs the rewritten ATen graph op by op; for debugging and fast tests).
     compiler: Compiler = "inductor"
