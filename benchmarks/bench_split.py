@@ -22,15 +22,17 @@ Every variant runs under ``--mode`` (default "reduce-overhead": CUDA graphs). Wi
 a 4-layer stack at these sizes is bound by host launch overhead (the split doubles the launches),
 which hides what the GPU does.
 
-The main comparison compiles once per variant with the token dimension dynamic (so the split
-uses equal halves, T // 2). ``--sweep T,...`` instead compiles static graphs at each T: the
-smart split (``weave_compile.smart_split``) and forced split points around T/2, to compare the
+Every variant is compiled as a static graph per T (``dynamic=False``; the split then uses the
+smart split of ``weave_compile.smart_split``); ``--dynamic`` compiles one graph per variant with
+the token dimension dynamic instead (the split then uses T // 2). ``--sweep T,...`` also times
+forced split points ``T//2 + offset`` (variants ``split:<offset>``) at those T, to compare the
 smart choice with the best swept one.
 
 Timing: warm-up, then ``--repeats`` x (barrier, CUDA events around ``--iters`` back-to-back
 forward calls), median per call, max over ranks, divided by the layer count (the embedding's
-gather and the final norm are included, amortized). Rank 0 writes ``split_<dims>.csv`` /
-``split_sweep_<dims>.csv`` and a PNG. Never enables NVLink multicast.
+gather and the final norm are included, amortized). Rank 0 writes ``split_<dims>.csv`` (after
+every point) and a PNG (left: each variant over default; right: the sweep, star = smart split).
+Never enables NVLink multicast.
 """
 
 from __future__ import annotations
@@ -102,8 +104,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", default="1024,2048,4096,8192,16384")
     ap.add_argument("--variants", default="default,nocomm,fused,split")
-    ap.add_argument("--sweep", default="", help="T values: static smart split vs forced split points")
-    ap.add_argument("--sweep-offsets", default="-512,-256,-128,0,128,256,512,1024")
+    ap.add_argument("--sweep", default="", help="T values at which to also time forced split points")
+    ap.add_argument("--sweep-offsets", default="-256,0,256,512,1024", help="forced split points: T//2 + offset")
+    ap.add_argument("--dynamic", action="store_true", help="one graph per variant with the token dimension "
+                    "dynamic (the split then uses T // 2) instead of a static graph per T")
     ap.add_argument("--comm-ctas", type=int, default=32)
     ap.add_argument("--mode", default="reduce-overhead", help="torch.compile mode for every variant "
                     "('default': no CUDA graphs, launch-bound below ~8K tokens)")
@@ -122,6 +126,7 @@ def main() -> None:
     tw = {"comm_ctas": args.comm_ctas}
     mode = None if args.mode == "default" else args.mode
     meta["mode"] = args.mode
+    dynamic = True if args.dynamic else False
 
     def tokens_for(t, dynamic):
         x = torch.randint(0, 32000, (1, t), device=dev, generator=torch.Generator(device=dev).manual_seed(t))
@@ -129,96 +134,94 @@ def main() -> None:
             torch._dynamo.mark_dynamic(x, 1)
         return x
 
-    if args.sweep:
-        d, model = build(args.dims, args.layers, True, dev)
-        for t in (int(v) for v in args.sweep.split(",")):
-            points = [0] + sorted({t // 2 + int(o) for o in args.sweep_offsets.split(",") if 0 < t // 2 + int(o) < t})
-            for s in points:
-                torch._dynamo.reset()
-                weave_compile.reset()
-                c = torch.compile(model, backend="tokenweave", dynamic=False,
-                                  options={**tw, "split_at": s, "mode": args.mode})
-                x = tokens_for(t, False)
-                with torch.no_grad():
-                    ms = timed(lambda: c(x), args.iters, args.repeats) / args.layers
+    name = f"split_{args.dims}"
+    path = os.path.join(args.out, name + ".csv")
+    sweep_ts = {int(v) for v in args.sweep.split(",") if v}
+    variants = args.variants.split(",") + [f"split:{o}" for o in args.sweep_offsets.split(",") if sweep_ts]
+    ts = [int(v) for v in args.tokens.split(",")]
+    for variant in variants:
+        kind, _, ctas = variant.partition("@")
+        kind, _, offset = kind.partition(":")
+        d, model = build(args.dims, args.layers, kind != "nocomm", dev)
+        c = None
+        torch._dynamo.reset()
+        weave_compile.reset()
+        if kind in ("default", "nocomm"):
+            c = torch.compile(model, mode=mode, dynamic=dynamic)
+        for t in ts:
+            if offset and t not in sweep_ts:
+                continue
+            if kind not in ("default", "nocomm"):
+                if offset or not dynamic:  # a static graph per T (and per forced split point)
+                    torch._dynamo.reset()
+                opts = {**tw, "split": kind == "split", "mode": args.mode,
+                        **({"comm_ctas": int(ctas)} if ctas else {}),
+                        **({"split_at": t // 2 + int(offset)} if offset else {})}
+                if t == ts[0] or offset or not dynamic:
+                    c = torch.compile(model, backend="tokenweave", dynamic=dynamic, options=opts)
+            x = tokens_for(t, dynamic)
+            with torch.no_grad():
+                ms = timed(lambda: c(x), args.iters, args.repeats) / args.layers
+            at = "-"
+            if kind == "split":
                 text = weave_compile.explain().graphs[-1].split.describe()
-                at = int(text.split(" at ")[1].split(" ")[0])
-                rows.append({**meta, "T": t, "variant": "smart" if s == 0 else "forced", "split_at": at,
-                             "ms_per_layer": f"{ms:.4f}"})
-                if rank == 0:
-                    print(f"T={t} split_at={at} ({'smart' if s == 0 else 'forced'}): {ms:.4f} ms/layer", flush=True)
-        name = f"split_sweep_{args.dims}"
-    else:
-        ts = [int(v) for v in args.tokens.split(",")]
-        for variant in args.variants.split(","):
-            torch._dynamo.reset()
-            weave_compile.reset()
-            kind, _, ctas = variant.partition("@")
-            d, model = build(args.dims, args.layers, kind != "nocomm", dev)
-            if kind in ("default", "nocomm"):
-                c = torch.compile(model, mode=mode)
-            else:
-                opts = {**tw, "split": kind == "split", **({"comm_ctas": int(ctas)} if ctas else {})}
-                c = torch.compile(model, backend="tokenweave", options={**opts, "mode": args.mode})
-            for t in ts:
-                x = tokens_for(t, True)
-                with torch.no_grad():
-                    ms = timed(lambda: c(x), args.iters, args.repeats) / args.layers
-                at = t // 2 if kind == "split" else 0
-                rows.append({**meta, "T": t, "variant": variant, "split_at": at, "ms_per_layer": f"{ms:.4f}"})
-                if rank == 0:
-                    print(f"{variant:8s} T={t:6d}: {ms:.4f} ms/layer", flush=True)
-            if rank == 0 and kind in ("fused", "split") and t == ts[-1]:
-                print(weave_compile.explain(), flush=True)
-            del c, model
-            torch.cuda.empty_cache()
-        name = f"split_{args.dims}"
+                at = text.split(" at ")[1].split(" (")[0].split(":")[0] if " at " in text else "unsplit"
+            rows.append({**meta, "T": t, "variant": variant, "split_at": at, "ms_per_layer": f"{ms:.4f}"})
+            if rank == 0:
+                print(f"{variant:12s} T={t:6d} split_at={at}: {ms:.4f} ms/layer", flush=True)
+                write_csv(path, rows)  # after every point: a timeout keeps what was measured
+        c = model = None
+        torch.cuda.empty_cache()
     if rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, name + ".csv")
-        with open(path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=COLUMNS)
-            w.writeheader()
-            w.writerows(rows)
         print("wrote", path)
         try:
-            plot(rows, os.path.join(args.out, name + ".png"), sweep=bool(args.sweep))
+            plot(rows, os.path.join(args.out, name + ".png"))
         except Exception as e:  # the CSV is the result; a missing matplotlib is not fatal
             print("plot skipped:", e)
     dist.destroy_process_group()
 
 
-def plot(rows, path: str, sweep: bool) -> None:
+def write_csv(path: str, rows) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def plot(rows, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4))
     meta = rows[0]
-    if sweep:
-        for t in sorted({int(r["T"]) for r in rows}):
-            pts = sorted((int(r["split_at"]), float(r["ms_per_layer"])) for r in rows
-                         if int(r["T"]) == t and r["variant"] == "forced")
-            ax.plot([p[0] / t for p in pts], [p[1] for p in pts], "o-", label=f"T={t} sweep")
-            smart = [r for r in rows if int(r["T"]) == t and r["variant"] == "smart"]
-            for r in smart:
-                ax.plot(int(r["split_at"]) / t, float(r["ms_per_layer"]), "k*", markersize=12)
-        ax.set_xlabel("split point / T  (star: smart split)")
-        ax.set_ylabel("ms per layer")
-    else:
-        base = {int(r["T"]): float(r["ms_per_layer"]) for r in rows if r["variant"] == "default"}
-        for variant in dict.fromkeys(r["variant"] for r in rows):
-            pts = sorted((int(r["T"]), float(r["ms_per_layer"])) for r in rows if r["variant"] == variant)
-            if pts and base:
-                ax.plot([p[0] for p in pts], [p[1] / base[p[0]] for p in pts], "o-", label=variant)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("tokens (batch 1, prefill)")
-        ax.set_ylabel("latency / torch.compile default")
-    ax.set_title(f"TP=2 Llama-{meta['dims']} dims, {meta['layers']} layers, {meta['gpu']}, mode={meta['mode']}",
-                 fontsize=9)
+    base = {int(r["T"]): float(r["ms_per_layer"]) for r in rows if r["variant"] == "default"}
+    for variant in dict.fromkeys(r["variant"] for r in rows if ":" not in r["variant"]):
+        pts = sorted((int(r["T"]), float(r["ms_per_layer"])) for r in rows if r["variant"] == variant)
+        if pts and base:
+            ax.plot([p[0] for p in pts], [p[1] / base[p[0]] for p in pts], "o-", label=variant)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens (batch 1, prefill)")
+    ax.set_ylabel("latency / torch.compile default")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
+    for t in sorted({int(r["T"]) for r in rows if ":" in r["variant"]}):
+        pts = sorted((int(r["split_at"]), float(r["ms_per_layer"])) for r in rows
+                     if int(r["T"]) == t and r["variant"].startswith("split") and r["split_at"].isdigit())
+        bx.plot([p[0] / t for p in pts], [p[1] for p in pts], "o-", label=f"T={t}")
+        for r in rows:
+            if int(r["T"]) == t and r["variant"] == "split" and r["split_at"].isdigit():
+                bx.plot(int(r["split_at"]) / t, float(r["ms_per_layer"]), "k*", markersize=12)
+    bx.set_xlabel("split point / T (star: smart split)")
+    bx.set_ylabel("ms per layer")
+    if bx.lines:
+        bx.legend(fontsize=8)
+    bx.grid(alpha=0.3)
+    ax = bx
+    ax.set_title(f"TP=2 Llama-{meta['dims']} dims, {meta['layers']} layers, {meta['gpu']}, mode={meta['mode']}",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print("wrote", path)
