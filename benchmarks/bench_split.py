@@ -209,7 +209,8 @@ def plot(rows, path: str) -> None:
     ax.grid(alpha=0.3)
     for t in sorted({int(r["T"]) for r in rows if ":" in r["variant"]}):
         pts = sorted((int(r["split_at"]), float(r["ms_per_layer"])) for r in rows
-                     if int(r["T"]) == t and r["variant"].startswith("split") and r["split_at"].isdigit())
+                     if int(r["T"]) == t and (r["variant"] == "split" or r["variant"].startswith("split:"))
+                     and r["split_at"].isdigit())
         bx.plot([p[0] / t for p in pts], [p[1] for p in pts], "o-", label=f"T={t}")
         for r in rows:
             if int(r["T"]) == t and r["variant"] == "split" and r["split_at"].isdigit():
@@ -218,6 +219,8 @@ def plot(rows, path: str) -> None:
     bx.set_ylabel("ms per layer")
     if bx.lines:
         bx.legend(fontsize=8)
+    else:
+        bx.text(0.5, 0.5, "no split-point sweep in this run", ha="center", va="center", transform=bx.transAxes)
     bx.grid(alpha=0.3)
     ax = bx
     ax.set_title(f"TP=2 Llama-{meta['dims']} dims, {meta['layers']} layers, {meta['gpu']}, mode={meta['mode']}",

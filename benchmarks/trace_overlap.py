@@ -69,7 +69,7 @@ def main() -> None:
     d = LlamaDims(layers=args.layers, **DIMS[args.dims])
     model = TPLlama(d, tp=dist.get_world_size(), rank=rank, group=dist.group.WORLD, dtype=torch.bfloat16, device=dev)
     c = torch.compile(model, backend="tokenweave", dynamic=False,
-                      options={"comm_ctas": args.comm_ctas, "mode": args.mode})
+                      options={"split": True, "comm_ctas": args.comm_ctas, "mode": args.mode})
     x = torch.randint(0, d.vocab, (1, args.tokens), device=dev)
     with torch.no_grad():
         for _ in range(4):  # reduce-overhead: warm-up, record, replays

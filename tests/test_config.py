@@ -8,7 +8,7 @@ def test_defaults_and_valid_keys():
     assert cfg == TokenWeaveConfig()
     assert set(TokenWeaveConfig.valid_keys()) == {"fuse", "shard_residual", "kernel", "comm_ctas", "split",
                                                   "split_threshold", "split_at", "num_sms", "mode", "compiler"}
-    assert (cfg.split, cfg.split_threshold, cfg.split_at, cfg.num_sms) == (True, 1024, 0, 0)
+    assert (cfg.split, cfg.split_threshold, cfg.split_at, cfg.num_sms) == (False, 1024, 0, 0)
 
 
 def test_unknown_key_lists_valid_keys():

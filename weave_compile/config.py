@@ -36,7 +36,9 @@ class TokenWeaveConfig:
     comm_ctas: int = 32
     #: Split each layer into a token prefix and suffix whose fused communication runs on a
     #: second, high-priority stream while the other half computes (TokenWeave's overlap).
-    split: bool = True
+    #: Off by default: on 2x H200 (p2p kernel, 32 SMs) it measured 3-14% slower than the fused
+    #: op alone at every token count (benchmarks/NOTES.md).
+    split: bool = False
     #: Fewest tokens (batch x sequence) for which the split is used; below it the fused op runs
     #: unsplit. TokenWeave's value for dense models.
     split_threshold: int = 1024

@@ -51,9 +51,10 @@ def split_tp_llama_vs_eager(rank, world_size, mode, token_counts, repeats=3):
     d = LlamaDims(hidden=1024, heads=8, kv_heads=4, intermediate=2048, layers=2, bias=True)
     model = TPLlama(d, tp=world_size, rank=rank, group=dist.group.WORLD, dtype=torch.bfloat16, device=dev)
     dynamic = mode is None
-    split = torch.compile(model, backend="tokenweave", mode=mode, dynamic=False if not dynamic else None)
-    plain = torch.compile(model, backend="tokenweave", mode=mode, dynamic=False if not dynamic else None,
-                          options={"split": False}) if mode is None else None
+    mode_opt = {"mode": mode} if mode else {}
+    split = torch.compile(model, backend="tokenweave", dynamic=False if not dynamic else None,
+                          options={"split": True, **mode_opt})
+    plain = torch.compile(model, backend="tokenweave", dynamic=None, options={"split": False}) if dynamic else None
     order = [t for t in token_counts for _ in range(repeats)]
     random.Random(0).shuffle(order)  # the same order on every rank (collectives in lockstep)
     errs, vs_plain = [], []
