@@ -232,9 +232,8 @@ class _Rewriter:
         self.env: dict[fx.Node, Union[Split, SplitTuple]] = {}
         self.full_memo: dict[fx.Node, fx.Node] = {}
         self.slice_memo: dict[tuple[fx.Node, int], tuple[fx.Node, fx.Node]] = {}
-        self.half_of: dict[fx.Node, int] = {}  # new node -> 0 (A) or 1 (B)
         self.wait_of: dict[fx.Node, fx.Node] = {}  # start's result getitem -> its comm_wait
-        self.fused_index: dict[fx.Node, int] = {}  # start node -> site index (per half)
+        self.starts: list[fx.Node] = []  # the start ops, A and B of each site
         self.last_wait_b: Optional[fx.Node] = None
         self.checked_masks: set[fx.Node] = set()
 
@@ -252,8 +251,7 @@ class _Rewriter:
         with self.fake_mode:
             node.meta["val"] = target(*fake(tuple(args)), **{k: fake(v) for k, v in kwargs.items()})
         if half is not None:
-            self.half_of[node] = half
-            node.meta["weave_half"] = half
+            node.meta["weave_half"] = half  # 0: prefix A, 1: suffix B
         return node
 
     def full(self, node: fx.Node) -> fx.Node:
@@ -273,18 +271,10 @@ class _Rewriter:
                                     self.mk(aten.slice.Tensor, (node, dim, a, self.total_arg), half=1))
         return self.slice_memo[key]
 
-    def half_arg(self, a: Any, h: int, dim_in_out: Optional[int] = None, out_ndim: Optional[int] = None) -> Any:
-        """Argument ``a`` for half ``h``: its half if split, else as is (broadcast)."""
-        if isinstance(a, fx.Node) and a in self.env:
-            sp = self.env[a]
-            if not isinstance(sp, Split):
-                raise Barrier("tuple value used directly")
-            return sp.halves[h]
-        return a
-
     # ------------------------------------------------------------------------- split size
 
-    def _plan(self) -> None:
+    def _layer_shape(self) -> tuple[smart_split.LayerShape, int]:
+        """The GEMMs over the token rows and the attention width in this graph; the SM count."""
         gemm_n, gemm_k, attn_width = [], [], 0
         rows = _prod(val(self.fused[0].args[_X]).shape[:-1])
         for n in self.graph.nodes:
@@ -302,7 +292,9 @@ class _Rewriter:
         num_sms = self.config.num_sms or (
             torch.cuda.get_device_properties(self.device).multi_processor_count
             if self.device.type == "cuda" else smart_split.DEFAULT_NUM_SMS)
-        layer = smart_split.LayerShape(gemms=tuple(zip(gemm_n, gemm_k)), attn_width=attn_width)
+        return smart_split.LayerShape(gemms=tuple(zip(gemm_n, gemm_k)), attn_width=attn_width), num_sms
+
+    def _plan(self) -> None:
         anchor = self.fused[0].args[_X]
         if self.split_dim == 0 and isinstance(self.total, int):
             # Batch split: whole sequences per half, attention needs no rewrite.
@@ -312,7 +304,7 @@ class _Rewriter:
             self.summary.split_at = f"{b} sequences" + (" (forced)" if self.config.split_at else " (half)")
             return
         if isinstance(self.total, int):
-            s = smart_split.choose_split(self.total, layer, num_sms, self.config.split_at)
+            s = smart_split.choose_split(self.total, *self._layer_shape(), self.config.split_at)
             self.sizes, self.total_arg = (s, self.total - s), self.total
             self.summary.split_at = str(s) + (" (forced)" if self.config.split_at else " (smart split)")
             self.summary.tokens = f"{self.total} tokens"
@@ -369,8 +361,8 @@ class _Rewriter:
         self._schedule()
         self.graph.eliminate_dead_code()
         self.summary.applied = True
-        self.summary.halves = sum(1 for n in self.graph.nodes if self.half_of.get(n) == 0)
-        for start in self.fused_index:
+        self.summary.halves = sum(1 for n in self.graph.nodes if n.meta.get("weave_half") == 0)
+        for start in self.starts:
             site = start.meta.get("weave_site")
             if site is not None:
                 site.split = "per half, comm stream"
@@ -680,13 +672,12 @@ class _Rewriter:
             raise Barrier("residual of another shape")
         if any(a in self.env for a in _nodes_in(n.args[2:])):
             raise Barrier("weight/bias/scale is token-split")
-        index = len(self.fused_index) // 2
         items: dict[int, list[fx.Node]] = {0: [], 1: []}
         waits = []
         for h in (0, 1):
             start = self.mk(START_OP, (xh[h], rh[h], *n.args[2:]), half=h)
             start.meta["weave_site"] = n.meta.get("weave_site")
-            self.fused_index[start] = index
+            self.starts.append(start)
             g0 = self.mk(operator.getitem, (start, 0), half=h)
             g1 = self.mk(operator.getitem, (start, 1), half=h)
             items[0].append(g0)
@@ -696,7 +687,7 @@ class _Rewriter:
             keep = [a for a in (xh[h], rh[h]) if a is not None]
             wait = self.graph.call_function(WAIT_OP, (g0, g1, keep))
             wait.meta["val"] = None
-            wait.meta["weave_half"] = self.half_of[wait] = h
+            wait.meta["weave_half"] = h
             self.wait_of[g0] = self.wait_of[g1] = wait
             waits.append(wait)
         self._pin_order(waits, items[0])
@@ -833,7 +824,7 @@ class _Rewriter:
             level[n] = lv + 1 if n.target is WAIT_OP else lv
         key: dict[fx.Node, float] = {}
         for n in nodes:
-            h = self.half_of.get(n)
+            h = n.meta.get("weave_half")
             if n.op == "placeholder":
                 key[n] = -1.0
             elif n.op == "output":
