@@ -224,11 +224,28 @@ def test_hf_llama_masked_attention_splits_and_a_non_causal_mask_fails_loudly(see
         assert "attention mask is not causal" in raised, raised[-2000:]
 
 
-def test_start_and_wait_ops_are_the_fused_op_on_cpu(seed):
-    """CPU: start computes synchronously (same result as the fused op), wait is a no-op."""
+def _start_then_wait(rank, world_size, seed):
+    from weave_compile.passes.split_tokens import START_OP, WAIT_OP
+
+    fused = torch.ops.weave.allreduce_add_rmsnorm.default
+    g = torch.Generator().manual_seed(seed + rank)  # different partial sums per rank
+    x, res, w = torch.randn(7, 16, generator=g), torch.randn(7, 16, generator=g), torch.randn(16, generator=g)
+    dist.broadcast(res, 0)  # the residual and weight agree across ranks (replicated), x does not
+    dist.broadcast(w, 0)
+    args = (x, res, None, w, 1e-6, dist.group.WORLD.group_name, torch.float32, torch.float32, None, 0.0,
+            False, False, "reference", 8)
+    normed, res_out = START_OP(*args)
+    WAIT_OP(normed, res_out, [x, res])
+    want = fused(*args)
+    return torch.equal(normed, want[0]) and torch.equal(res_out, want[1])
+
+
+def test_start_then_wait_equals_the_fused_op_on_cpu(seed):
+    """Same schema as the fused op; on CPU start computes synchronously and wait is a no-op."""
     from weave_compile.passes.split_tokens import START_OP, WAIT_OP
 
     fused = torch.ops.weave.allreduce_add_rmsnorm.default
     assert [a.name for a in START_OP._schema.arguments] == [a.name for a in fused._schema.arguments]
     assert [a.name for a in WAIT_OP._schema.arguments] == ["normed", "residual_out", "keep_alive"]
     assert WAIT_OP._schema.arguments[0].alias_info.is_write  # readers are ordered after it
+    assert all(assert_ranks_ok(run_ranks(_start_then_wait, 2, args=(seed,), timeout=120)))
