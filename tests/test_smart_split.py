@@ -47,3 +47,27 @@ def test_attention_moves_the_split_right_of_the_middle():
     assert with_attn >= no_attn
     a, b = half_costs(with_attn, t, LLAMA8B_TP2)
     assert abs(a - b) / (a + b) < 0.05
+
+
+@settings(max_examples=200, deadline=None)
+@given(t=st.integers(2, 20000), layer=layers, num_sms=st.sampled_from([78, 132]), forced=st.integers(0, 25000))
+def test_choose_split_always_gives_two_nonempty_halves(t, layer, num_sms, forced):
+    from weave_compile.smart_split import choose_split
+
+    s = choose_split(t, layer, num_sms, forced)
+    assert 1 <= s <= t - 1
+    if forced:
+        assert s == min(max(forced, 1), t - 1)
+    elif t > 128:
+        assert s == smart_split(t, layer, num_sms)  # tile-aligned, wave- and balance-checked above
+    else:
+        assert s == t // 2
+
+
+def test_choose_split_refuses_one_token():
+    import pytest
+
+    from weave_compile.smart_split import choose_split
+
+    with pytest.raises(ValueError, match="non-empty"):
+        choose_split(1, LLAMA8B_TP2, 132)
