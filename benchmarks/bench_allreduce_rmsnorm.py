@@ -32,16 +32,13 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime
 import logging
 import math
 import os
-import statistics
-import subprocess
+import sys
 
-# This benchmark never needs NVLink multicast: keep torch/NCCL from creating it.
-os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-os.environ["NCCL_NVLS_ENABLE"] = "0"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Timer, meta as run_meta  # noqa: E402  (keeps NVLink multicast off)
 
 import torch  # noqa: E402
 
@@ -63,60 +60,9 @@ def add_rmsnorm(x, residual, weight, eps: float = EPS):
     return (y * weight.float()).to(x.dtype), res
 
 
-def git_commit() -> str:
-    if os.environ.get("WEAVE_GIT_COMMIT"):  # the device copy of the tree has no .git
-        return os.environ["WEAVE_GIT_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
-                              capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
-    except Exception:
-        return "unknown"
-
-
 def iters_for(T: int, H: int) -> int:
     """Same on every rank: ~ a few ms per repeat for big shapes, up to 100 calls small."""
     return max(5, min(100, int(4e8 / (T * H))))
-
-
-class Timer:
-    """Median per-call time of ``fn`` over ``repeats`` timings of ``iters`` back-to-back calls.
-
-    ``graph=True`` (default) captures the ``iters`` calls in a CUDA graph and times its
-    replays: GPU time without Python launch overhead, as serving engines run it. ``False``
-    times eager launches (host overhead included)."""
-
-    def __init__(self, dist, repeats: int, warmup: int, graph: bool = True):
-        self.dist, self.repeats, self.warmup, self.graph = dist, repeats, warmup, graph
-
-    def __call__(self, fn, iters: int) -> float:
-        dist = self.dist
-        for _ in range(self.warmup):
-            fn()
-        torch.cuda.synchronize()
-        run = lambda: [fn() for _ in range(iters)]  # noqa: E731
-        if self.graph:
-            g = torch.cuda.CUDAGraph()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            dist.barrier()
-            with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
-                run()
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            run = g.replay
-        per_call = []
-        for _ in range(self.repeats):
-            dist.barrier()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            per_call.append(start.elapsed_time(end) * 1e3 / iters)
-        t = torch.tensor([statistics.median(per_call)], device="cuda")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
 
 
 def run(args) -> None:
@@ -132,10 +78,7 @@ def run(args) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     group_name = dist.group.WORLD.group_name
     dtype = torch.bfloat16
-    meta = dict(gpu=torch.cuda.get_device_name(dev), torch=torch.__version__,
-                triton=_triton_version(), git_commit=git_commit(),
-                date=datetime.datetime.now().isoformat(timespec="seconds"), world_size=world,
-                dtype="bf16", mode=args.mode)
+    meta = dict(run_meta(dev), world_size=world, dtype="bf16", mode=args.mode)
 
     variant, reason = arn.select_symm_variant(group_name, dev, dtype, max(args.hidden))
     if rank == 0:
@@ -147,7 +90,7 @@ def run(args) -> None:
     if args.explore_warps:
         _explore_warps(arn, dist, group_name, dev, rank, world, dtype, args)
     compiled_norm = torch.compile(add_rmsnorm, dynamic=True)
-    timer = Timer(dist, args.repeats, args.warmup, graph=args.mode == "graph")
+    timer = Timer(args.repeats, args.warmup, graph=args.mode == "graph")
     rows = []
     for H in args.hidden:
         Tmax = max(args.tokens)
@@ -236,7 +179,7 @@ def run(args) -> None:
 
 def _explore_warps(arn, dist, group_name, dev, rank, world, dtype, args) -> None:
     """Push kernel, sharded residual: time num_warps choices against the default heuristic."""
-    timer = Timer(dist, args.repeats, args.warmup, graph=args.mode == "graph")
+    timer = Timer(args.repeats, args.warmup, graph=args.mode == "graph")
     for H in (4096, 8192):
         weight = torch.randn(H, device=dev, generator=torch.Generator(device=dev).manual_seed(H)).to(dtype)
         arn.reserve(group_name, dtype, H, 8192, device=dev)
@@ -281,15 +224,6 @@ def _sanity_check(arn, dist, group_name, T, H, weight, dev, rank):
         if rank == 0:
             print(f"# sanity {variant} H={H} T={T}: max|normed - ref| = {d[0].item():.3g}, "
                   f"max|residual - ref| = {d[1].item():.3g} (bf16: ~1-2 ulp expected)", flush=True)
-
-
-def _triton_version() -> str:
-    try:
-        import triton
-
-        return triton.__version__
-    except Exception:
-        return "none"
 
 
 def print_table(rows) -> None:

@@ -38,20 +38,14 @@ Never enables NVLink multicast.
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import os
-import statistics
 import sys
 
-os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-os.environ["NCCL_NVLS_ENABLE"] = "0"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Timer, meta as run_meta, write_csv  # noqa: E402  (keeps NVLink multicast off)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_allreduce_rmsnorm import _triton_version, git_commit  # noqa: E402
 
 COLUMNS = ["gpu", "torch", "triton", "git_commit", "date", "world_size", "mode", "dims", "layers", "T", "variant",
            "split_at", "ms_per_layer"]
@@ -78,26 +72,6 @@ def setup() -> tuple[int, torch.device]:
     return rank, dev
 
 
-def timed(fn, iters: int, repeats: int) -> float:
-    """Median over repeats of the per-call time (ms), max over ranks."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / iters)
-    t = torch.tensor([statistics.median(times)], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dims", choices=sorted(DIMS), default="8b")
@@ -119,8 +93,7 @@ def main() -> None:
     rank, dev = setup()
     import weave_compile
 
-    meta = dict(gpu=torch.cuda.get_device_name(dev), torch=torch.__version__, triton=_triton_version(),
-                git_commit=git_commit(), date=datetime.date.today().isoformat(), world_size=dist.get_world_size(),
+    meta = dict(run_meta(dev), world_size=dist.get_world_size(),
                 dims=args.dims, layers=args.layers)
     rows = []
     tw = {"comm_ctas": args.comm_ctas}
@@ -161,7 +134,7 @@ def main() -> None:
                     c = torch.compile(model, backend="tokenweave", dynamic=dynamic, options=opts)
             x = tokens_for(t, dynamic)
             with torch.no_grad():
-                ms = timed(lambda: c(x), args.iters, args.repeats) / args.layers
+                ms = Timer(args.repeats, warmup=3, graph=False)(lambda: c(x), args.iters) / 1e3 / args.layers
             at = "-"
             if kind == "split":
                 text = weave_compile.explain().graphs[-1].split.describe()
@@ -169,7 +142,7 @@ def main() -> None:
             rows.append({**meta, "T": t, "variant": variant, "split_at": at, "ms_per_layer": f"{ms:.4f}"})
             if rank == 0:
                 print(f"{variant:12s} T={t:6d} split_at={at}: {ms:.4f} ms/layer", flush=True)
-                write_csv(path, rows)  # after every point: a timeout keeps what was measured
+                write_csv(path, rows, COLUMNS)  # after every point: a timeout keeps what was measured
         c = model = None
         torch.cuda.empty_cache()
     if rank == 0:
@@ -179,14 +152,6 @@ def main() -> None:
         except Exception as e:  # the CSV is the result; a missing matplotlib is not fatal
             print("plot skipped:", e)
     dist.destroy_process_group()
-
-
-def write_csv(path: str, rows) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
 
 
 def plot(rows, path: str) -> None:

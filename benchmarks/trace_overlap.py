@@ -19,14 +19,11 @@ import datetime
 import os
 import sys
 
-os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-os.environ["NCCL_NVLS_ENABLE"] = "0"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import commit as git_commit  # noqa: E402  (keeps NVLink multicast off)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_allreduce_rmsnorm import git_commit  # noqa: E402
 from bench_split import DIMS, setup  # noqa: E402
 
 COMM = ("allreduce_rmsnorm", "nccl")

@@ -34,7 +34,6 @@ import csv
 import datetime
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Callable, Optional
@@ -217,15 +216,11 @@ def _row(base: dict, phase: str, tokens: int, variant: str, ms: float, compile_s
 
 
 def _commit() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("WEAVE_COMMIT", "unknown")
+    """The commit these numbers belong to (benchmarks/common.py's rule: ``WEAVE_COMMIT``, else git)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from common import commit
+
+    return commit()
 
 
 def _report(result: dict, args: argparse.Namespace) -> None:
