@@ -159,7 +159,9 @@ def test_symm_kernels_get_every_argument_by_name_and_a_full_workspace_falls_back
     import logging
 
     import weave_compile.ops.allreduce_rmsnorm as mod
-    from weave_compile.kernels import symm_mem_allreduce_rmsnorm as symm
+    from weave_compile.ops.selection import symm_kernels
+
+    symm = symm_kernels()
 
     calls = []
 

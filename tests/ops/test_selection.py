@@ -12,8 +12,9 @@ BF16 = (torch.bfloat16, torch.bfloat16, torch.bfloat16)
 @pytest.fixture
 def symm(monkeypatch):
     """The symmetric-memory module's two capability checks, answering what the test sets."""
-    from weave_compile.kernels import symm_mem_allreduce_rmsnorm as mod
+    from weave_compile.ops.selection import symm_kernels
 
+    mod = symm_kernels()
     state = {"variant": "p2p", "reason": "p2p over symmetric memory", "hidden_problem": ""}
     monkeypatch.setattr(mod, "select_symm_variant", lambda group, device, dtype, hidden: (state["variant"],
                                                                                          state["reason"]))
