@@ -29,10 +29,14 @@ def test_oracle_rounds_where_the_contract_rounds(seed):
     assert normed.dtype == torch.bfloat16 and r.dtype == torch.bfloat16  # defaults: the inputs' dtypes
     exact = sum(x.double() for x in xs) + res.double()
     assert torch.equal(r, exact.bfloat16())
-    # The norm reads the rounded residual, casts to mid before the weight: the contract's order.
-    rd = r.double()
-    y = (rd * torch.rsqrt(rd.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16().double() * w.double()
-    assert torch.equal(normed, y.bfloat16())
+    # The norm reads the rounded residual: the same as normalizing that residual alone.
+    alone, _ = allreduce_add_rmsnorm_ref([r], None, None, w, eps=1e-6, mid_dtype=torch.bfloat16)
+    assert torch.equal(normed, alone)
+    # mid_dtype rounds before the weight (an extra rounding step, visible in float32 output).
+    with_mid, _ = allreduce_add_rmsnorm_ref([r], None, None, w, out_dtype=torch.float32, mid_dtype=torch.bfloat16)
+    without, _ = allreduce_add_rmsnorm_ref([r], None, None, w, out_dtype=torch.float32)
+    assert not torch.equal(with_mid, without)
+    assert ((with_mid - without).abs() <= without.abs() * 2 ** -7 + 1e-6).all()  # by at most a bf16 rounding
     n32, r32 = allreduce_add_rmsnorm_ref(xs, res, None, w, residual_dtype=torch.float32, out_dtype=torch.float32)
     assert n32.dtype == r32.dtype == torch.float32 and not torch.equal(r32, r.float())
 
