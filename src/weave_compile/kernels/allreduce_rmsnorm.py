@@ -37,7 +37,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-KERNELS = ("reference", "p2p", "multimem")
+KERNELS = ("reference", "p2p", "multimem", "ce", "nccl")
 
 
 # ----------------------------------------------------------------------------- group helpers
@@ -161,7 +161,8 @@ def reference_impl(
 
 
 def select_kernel(
-    requested: str, device: torch.device, dtypes: tuple[torch.dtype, ...], hidden: int, group_name: str
+    requested: str, device: torch.device, dtypes: tuple[torch.dtype, ...], hidden: int, group_name: str,
+    num_tokens: Optional[int] = None, split: bool = False,
 ) -> tuple[str, str]:
     """Pick the implementation at compile time; returns ``(kernel, reason)`` for the explain report.
 
@@ -171,6 +172,10 @@ def select_kernel(
     """
     if requested == "reference":
         return "reference", "requested"
+    from . import comm_kernels
+
+    if requested in comm_kernels.KERNELS:
+        return comm_kernels.select(requested, device, dtypes, hidden, group_name)
     if device.type != "cuda":
         return "reference", f"{device.type} tensors: only the collective-based reference runs there"
     try:
@@ -184,7 +189,7 @@ def select_kernel(
     if variant is None:
         return "reference", reason
     if requested == "auto":
-        return variant, f"auto: {reason}"
+        return comm_kernels.pick_auto(variant, reason, group_size(group_name), num_tokens, split)
     if requested == variant:
         return variant, "requested"
     if requested == "p2p" and variant == "multimem":
@@ -221,6 +226,14 @@ def allreduce_add_rmsnorm(
     """
     args = (x, residual, bias, weight, eps, group_name, residual_dtype, out_dtype, mid_dtype,
             weight_offset, residual_in_sharded, residual_out_sharded, scale)
+    if kernel in ("ce", "nccl") and (x.is_cuda or kernel == "nccl"):
+        from . import comm_kernels
+
+        out = comm_kernels.dispatch(kernel, x, residual, bias, weight, eps, group_name, residual_dtype, out_dtype,
+                                    mid_dtype, weight_offset, residual_in_sharded, residual_out_sharded, comm_ctas,
+                                    scale)
+        if out is not None:
+            return out
     if scale is not None and kernel in ("p2p", "multimem"):
         raise ValueError("weave::allreduce_add_rmsnorm: the symmetric-memory kernels take no scale")
     if kernel in ("p2p", "multimem") and x.is_cuda:
