@@ -179,7 +179,7 @@ def select_kernel(
     if device.type != "cuda":
         return "reference", f"{device.type} tensors: only the collective-based reference runs there"
     try:
-        from . import symm_mem_allreduce_rmsnorm as symm
+        from weave_compile import kernels as symm
     except Exception as e:  # triton or symmetric memory unavailable
         return "reference", f"symmetric-memory kernels unavailable ({type(e).__name__}: {e})"
     variant, reason = symm.select_symm_variant(group_name, device, dtypes[0], hidden)
@@ -237,7 +237,7 @@ def allreduce_add_rmsnorm(
     if scale is not None and kernel in ("p2p", "multimem"):
         raise ValueError("weave::allreduce_add_rmsnorm: the symmetric-memory kernels take no scale")
     if kernel in ("p2p", "multimem") and x.is_cuda:
-        from . import symm_mem_allreduce_rmsnorm as symm
+        from weave_compile import kernels as symm
 
         hidden = x.shape[-1]
         try:
@@ -248,7 +248,7 @@ def allreduce_add_rmsnorm(
                 None if weight is None else weight.reshape(hidden),
                 eps=eps, group_name=group_name, residual_dtype=residual_dtype, out_dtype=out_dtype,
                 mid_dtype=mid_dtype, weight_offset=weight_offset, residual_in_sharded=residual_in_sharded,
-                residual_out_sharded=residual_out_sharded, num_ctas=comm_ctas, variant=kernel,
+                residual_out_sharded=residual_out_sharded, comm_ctas=comm_ctas, kernel=kernel,
             )
         except symm.SymmCapacityError as e:
             # The workspace cannot grow inside CUDA-graph capture: the collective path can.
