@@ -23,7 +23,6 @@ import argparse
 import math
 import os
 import sys
-from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RESULTS, Timer, meta, write_csv  # noqa: E402  (sets the no-multicast variables)
@@ -36,23 +35,6 @@ COLUMNS = ["gpu", "design", "phase", "ctas", "rows_per_rank", "hidden", "us", "g
            "torch", "triton", "git_commit", "date"]
 SWEEP = [(1, 1, 8), (2, 1, 8), (4, 1, 16), (1, 3, 8), (2, 2, 8), (2, 3, 8), (2, 4, 8), (4, 2, 16),
          (4, 3, 16), (2, 3, 16), (1, 4, 4), (8, 2, 16)]
-
-
-def emulated_push_workspaces(N, S, H, dt):
-    """The push kernel's workspace fields for N emulated ranks from ordinary allocations."""
-    from weave_compile.kernels import symm_mem_allreduce_rmsnorm as symm
-
-    cap = S * N
-    inp = [torch.zeros(cap, H, dtype=dt, device="cuda") for _ in range(N)]
-    out = [torch.zeros(cap, H, dtype=dt, device="cuda") for _ in range(N)]
-    res = [torch.zeros(cap, H, dtype=dt, device="cuda") for _ in range(N)]
-    pad_off = symm.pad_offset_for(0, N)
-    pads = [torch.zeros(pad_off + 32 * N, dtype=torch.int32, device="cuda") for _ in range(N)]
-    table = torch.tensor([t.data_ptr() for t in inp + out + res + pads] + [0, 0, 0], dtype=torch.int64,
-                         device="cuda")
-    keep = (inp, out, res, pads)
-    return [SimpleNamespace(world_size=N, hidden=H, ptr_table=table, rank=r, capacity=cap, pad_offset=pad_off,
-                            status=torch.zeros(1, dtype=torch.int32, device="cuda"), keep=keep) for r in range(N)]
 
 
 def main() -> None:
@@ -145,21 +127,20 @@ def main() -> None:
                                              residual_in_sharded=True, residual_out_sharded=True, num_ctas=c,
                                              config=best_cfg))
             emit("ce", "whole_op", c, H, timer(fn, args.iters), None)
-        if not args.no_push:
-            from weave_compile.kernels import symm_mem_allreduce_rmsnorm as symm
+        if not args.no_push:  # the current push kernel, through helper kern's emulated-rank harness
+            from weave_compile.testing.emulated_ranks import EmulatedRanks, push_allreduce_rmsnorm
 
-            pws = emulated_push_workspaces(N, S, H, dt)
-            outs = [(torch.empty(T, H, device="cuda", dtype=dt), torch.empty(S, H, device="cuda", dtype=dt))
-                    for _ in range(N)]
+            pr = EmulatedRanks.create(N, H, T, dtype=dt, device="cuda")
+            outs = push_allreduce_rmsnorm(pr, xs, res_sh, None, weight, residual_in_sharded=True,
+                                          residual_out_sharded=True, comm_ctas=ctas_list[0])
             for c in ctas_list:
-                fn = forked(lambda r: symm._launch_push(
-                    pws[r], xs[r], res_sh[r], None, weight, outs[r][0], outs[r][1], num_tokens=T, mid_dtype=None,
-                    residual_in_sharded=True, residual_out_sharded=True, eps=1e-6, weight_offset=0.0,
-                    num_ctas=c, num_warps=None))
+                fn = lambda c=c: push_allreduce_rmsnorm(pr, xs, res_sh, None, weight, residual_in_sharded=True,  # noqa: E731
+                                                        residual_out_sharded=True, comm_ctas=c, outputs=outs)
                 emit("p2p_push", "whole_op", c, H, timer(fn, args.iters), None)
-            bad = sum(int(p.status.item()) for p in pws)
-            if bad:
-                print(f"push kernel recorded {bad} barrier timeouts: its times are not valid", flush=True)
+            timeouts, stuck = pr.barrier_state()
+            if timeouts or stuck:
+                print(f"push kernel: {timeouts} barrier timeouts, {stuck} pad slots left set: its times are not valid",
+                      flush=True)
         del wss
         torch.cuda.empty_cache()
     print(f"wrote {path}")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,26 +27,12 @@ import torch
 
 log = logging.getLogger(__name__)
 
-try:  # Triton is optional: the torch path below needs nothing else.
-    import triton
-    import triton.language as tl
+from .common import HAS_TRITON, MAX_HIDDEN, interpreting, next_pow2, tl, tl_dtype, triton
 
-    HAS_TRITON = True
-except Exception:  # pragma: no cover - machines without triton
-    triton = tl = None
-    HAS_TRITON = False
-
-#: A whole row block lives in registers: keep BLOCK_ROWS * BLOCK_H <= this many fp32 values per CTA.
-_MAX_TILE = 16384
-MAX_HIDDEN = 16384
-
-_TL_DTYPES = {}
 if HAS_TRITON:
-    _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+    from .rownorm import add_norm, norm_params, store_residual_shard
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 @dataclass(frozen=True)
@@ -65,7 +50,7 @@ def launch_config(hidden: int, block_rows: Optional[int] = None, num_stages: Opt
     pipeline stages, the shape DESIGN.md section 6 measured at ~65 GB/s per CTA for an add+norm;
     ``bench_comm_ce.py --sweep`` is where these numbers are revisited.
     """
-    block_h = _next_pow2(hidden)
+    block_h = next_pow2(hidden)
     if block_rows is None:
         block_rows = max(1, min(8, 8192 // block_h))
     if num_stages is None:
@@ -91,31 +76,19 @@ if HAS_TRITON:
                    RES_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, MID_DTYPE: tl.constexpr,
                    HAS_MID: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr):
-        rows = blk * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        valid = rows < n_valid
-        m = valid[:, None] & cmask[None, :]
-        r64 = rows.to(tl.int64)[:, None]
-        acc = tl.load(X + r64 * stride_x_row + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        rows = (blk * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+        m = (rows < n_valid)[:, None] & cmask[None, :]
+        acc = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=m, other=0.0).to(tl.float32)
         for k in tl.static_range(NUM_SLOTS):
-            acc += tl.load(RECV + k * stride_recv_slot + r64 * HIDDEN + cols[None, :], mask=m,
+            acc += tl.load(RECV + k * stride_recv_slot + rows[:, None] * HIDDEN + cols[None, :], mask=m,
                            other=0.0).to(tl.float32)
         if HAS_SCALE:
             acc = acc * s
-        if HAS_BIAS:
-            acc += b[None, :]
-        if HAS_RESIDUAL:
-            acc += tl.load(RES_IN + r64 * stride_res_in_row + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        res = tl.where(m, acc, 0.0).to(RES_DTYPE)
-        tl.store(RES_OUT + r64 * stride_res_out_row + cols[None, :], res,
-                 mask=(rows < n_res_rows)[:, None] & cmask[None, :])
-        r = res.to(tl.float32)
-        ms = tl.sum(r * r, axis=1) / HIDDEN
-        y = r * tl.rsqrt(ms + eps)[:, None]
-        if HAS_MID:
-            y = y.to(MID_DTYPE).to(tl.float32)
-        if HAS_WEIGHT:
-            y = y * w[None, :]
-        tl.store(NORMED + r64 * stride_normed_row + cols[None, :], y.to(OUT_DTYPE), mask=m)
+        # The one add+norm body of every kernel (rownorm.py); our rows are shard-local (j == rows).
+        res, normed = add_norm(acc, rows, rows, m, cols, RES_IN, stride_res_in_row, b, w, eps, HIDDEN, RES_DTYPE,
+                               OUT_DTYPE, MID_DTYPE, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, HAS_MID, True)
+        store_residual_shard(RES_OUT, rows, res, m, cmask, cols, n_res_rows, stride_res_out_row)
+        tl.store(NORMED + rows[:, None] * stride_normed_row + cols[None, :], normed, mask=m)
 
     @triton.jit
     def _add_rmsnorm_rows_kernel(
@@ -131,14 +104,9 @@ if HAS_TRITON:
         nprog = tl.num_programs(0)
         cols = tl.arange(0, BLOCK_H)
         cmask = cols < HIDDEN
-        # Loop invariants, loaded once per CTA (placeholders when absent).
-        w = cols.to(tl.float32)
-        b = cols.to(tl.float32)
+        # Loop invariants, loaded once per CTA.
+        b, w = norm_params(BIAS, WEIGHT, cols, cmask, weight_offset, HAS_BIAS, HAS_WEIGHT)
         s = 1.0
-        if HAS_WEIGHT:
-            w = tl.load(WEIGHT + cols, mask=cmask, other=0.0).to(tl.float32) + weight_offset
-        if HAS_BIAS:
-            b = tl.load(BIAS + cols, mask=cmask, other=0.0).to(tl.float32)
         if HAS_SCALE:
             s = tl.load(SCALE).to(tl.float32)
         num_blocks = (n_res_rows + BLOCK_ROWS - 1) // BLOCK_ROWS
@@ -163,13 +131,9 @@ else:  # pragma: no cover
     _add_rmsnorm_rows_kernel = None
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def use_triton(device: torch.device) -> bool:
     """The Triton kernel runs on CUDA tensors, and on CPU ones under ``TRITON_INTERPRET=1``."""
-    return HAS_TRITON and (device.type == "cuda" or _interpreting())
+    return HAS_TRITON and (device.type == "cuda" or interpreting())
 
 
 def add_rmsnorm_rows(
@@ -220,11 +184,11 @@ def add_rmsnorm_rows(
         int(n_valid), int(n_res_rows), x.stride(0), recv.stride(0) if recv is not None else 0,
         residual.stride(0) if residual is not None else 0, normed.stride(0), res_out.stride(0),
         float(eps), float(weight_offset),
-        NUM_SLOTS=slots, HIDDEN=hidden, BLOCK_H=_next_pow2(hidden), BLOCK_ROWS=cfg.block_rows,
-        NUM_STAGES=cfg.num_stages, RES_DTYPE=_TL_DTYPES[res_out.dtype], OUT_DTYPE=_TL_DTYPES[normed.dtype],
-        MID_DTYPE=_TL_DTYPES[mid_dtype if mid_dtype is not None else torch.float32],
+        NUM_SLOTS=slots, HIDDEN=hidden, BLOCK_H=next_pow2(hidden), BLOCK_ROWS=cfg.block_rows,
+        NUM_STAGES=cfg.num_stages, RES_DTYPE=tl_dtype(res_out.dtype), OUT_DTYPE=tl_dtype(normed.dtype),
+        MID_DTYPE=tl_dtype(mid_dtype if mid_dtype is not None else torch.float32),
         HAS_MID=mid_dtype is not None, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, INTERPRET=_interpreting(),
+        HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, INTERPRET=interpreting(),
         num_warps=cfg.num_warps, num_stages=1)
 
 

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from . import addnorm, auto_table
+from .common import SUPPORTED_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -21,8 +22,6 @@ KERNELS = ("ce", "nccl")
 
 
 def _common_reason(device: torch.device, dtypes, hidden: int) -> Optional[str]:
-    from .copy_engine import SUPPORTED_DTYPES
-
     if device.type != "cuda":
         return f"{device.type} tensors: only the collective-based reference runs there"
     if not addnorm.HAS_TRITON:
@@ -49,11 +48,9 @@ def select(requested: str, device: torch.device, dtypes, hidden: int, group_name
 
 def _symmetric_memory_reason(group_name: str, device, dtype, hidden: int) -> Optional[str]:
     """The copy-engine design needs peer-mapped symmetric memory (the p2p probe checks it, collectively)."""
-    try:
-        from . import symm_mem_allreduce_rmsnorm as symm
-    except Exception as e:
-        return f"symmetric memory unavailable ({type(e).__name__}: {e})"
-    variant, reason = symm.select_symm_variant(group_name, device, dtype, hidden)
+    from .select import select_symm_variant
+
+    variant, reason = select_symm_variant(group_name, device, dtype, hidden)
     return None if variant is not None else reason
 
 

@@ -69,13 +69,13 @@ from typing import Any, Optional, Union
 import torch
 
 from . import addnorm
+from .common import SUPPORTED_DTYPES
 
 log = logging.getLogger(__name__)
 
 RS, AG = 0, 1  # rows of the flags array
 _ALIGN = 256  # byte alignment of each region inside the allocation
 _CAPACITY_ROUND_ROWS = 256
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class CeCapacityError(RuntimeError):
