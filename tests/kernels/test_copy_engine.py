@@ -229,3 +229,27 @@ def test_addnorm_triton_interpreter(seed):
     p = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT, here, str(seed)], env=env, capture_output=True,
                        text=True, timeout=600)
     assert p.returncode == 0 and "interp ok" in p.stdout, p.stdout[-3000:] + p.stderr[-6000:]
+
+
+@pytest.mark.skipif(not addnorm.HAS_TRITON, reason="triton not installed")
+def test_addnorm_shape_that_does_not_fit_is_retried_with_fewer_stages(monkeypatch):
+    from triton.runtime.errors import OutOfResources
+
+    tried = []
+
+    def fake_launch(*args):
+        cfg = args[-2]
+        tried.append(cfg.num_stages)
+        if cfg.num_stages > 1:
+            raise OutOfResources(300000, 232448, "shared memory")
+
+    monkeypatch.setattr(addnorm, "use_triton", lambda device: True)
+    monkeypatch.setattr(addnorm, "_launch", fake_launch)
+    monkeypatch.setattr(addnorm, "_SHRUNK", {})
+    args = (torch.zeros(4, 8), None, None, None, None, None, torch.empty(4, 8), torch.empty(4, 8))
+    kw = dict(n_valid=4, eps=1e-6, mid_dtype=None, weight_offset=0.0, num_ctas=2,
+              config=addnorm.LaunchConfig(2, 3, 4))
+    addnorm.add_rmsnorm_rows(*args, **kw)
+    assert tried == [3, 2, 1]
+    addnorm.add_rmsnorm_rows(*args, **kw)  # remembered: straight to the shape that fit
+    assert tried == [3, 2, 1, 1]

@@ -46,17 +46,18 @@ def launch_config(hidden: int, block_rows: Optional[int] = None, num_stages: Opt
                   num_warps: Optional[int] = None) -> LaunchConfig:
     """Rows per iteration, pipeline depth and warps for ``hidden``; any argument given overrides.
 
-    Default: as many rows as keep the tile at 8K fp32 values (2 rows at H=4096, 1 at 8192) and 3
-    pipeline stages, the shape DESIGN.md section 6 measured at ~65 GB/s per CTA for an add+norm;
-    ``bench_comm_ce.py --sweep`` is where these numbers are revisited.
+    Default: a 16K-element tile (4 rows at H=4096, 2 at 8192), 3 pipeline stages, 16 warps up to
+    H=4096 and 8 above: the fastest of 12 shapes at 8 CTAs in ``bench_comm_ce.py``'s sweep (one
+    H200, 2026-12-01, ``results/comm_per_cta_ce.csv``): 61 GB/s per CTA at H=4096, 65 at 8192. A
+    shape whose pipeline does not fit in shared memory is retried with fewer stages (launcher).
     """
     block_h = next_pow2(hidden)
     if block_rows is None:
-        block_rows = max(1, min(8, 8192 // block_h))
+        block_rows = max(1, min(8, 16384 // block_h))
     if num_stages is None:
         num_stages = 3
     if num_warps is None:
-        num_warps = 8 if block_h * block_rows <= 4096 else 16
+        num_warps = 16 if block_h <= 4096 else 8
     return LaunchConfig(int(block_rows), int(num_stages), int(num_warps))
 
 
@@ -175,6 +176,26 @@ def add_rmsnorm_rows(
     for name, t in (("x", x), ("residual", residual), ("normed", normed), ("res_out", res_out)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"add_rmsnorm_rows: {name} needs unit column stride")
+    key = (hidden, slots, cfg, x.dtype, res_out.dtype, normed.dtype)
+    cfg = _SHRUNK.get(key, cfg)
+    while True:
+        try:
+            return _launch(x, recv, residual, bias, weight, scale, normed, res_out, n_valid, n_res_rows, eps,
+                           mid_dtype, weight_offset, num_ctas, cfg, slots)
+        except triton.runtime.errors.OutOfResources as e:
+            if cfg.num_stages <= 1:
+                raise
+            smaller = LaunchConfig(cfg.block_rows, cfg.num_stages - 1, cfg.num_warps)
+            log.info("add+norm shape %s does not fit (%s); retrying with %s", cfg, e, smaller)
+            cfg = _SHRUNK[key] = smaller
+
+
+_SHRUNK: dict = {}  # launch shapes that did not fit -> the shape that did
+
+
+def _launch(x, recv, residual, bias, weight, scale, normed, res_out, n_valid, n_res_rows, eps, mid_dtype,
+            weight_offset, num_ctas, cfg, slots) -> None:
+    hidden = x.shape[-1]
     dummy = x
     grid = max(1, min(int(num_ctas), triton.cdiv(n_res_rows, cfg.block_rows)))
     _add_rmsnorm_rows_kernel[(grid,)](
