@@ -113,4 +113,4 @@ def test_fake_impl_shapes_including_sharded_and_symbolic(monkeypatch):
 def test_unknown_kernel_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown kernel"):
         allreduce_add_rmsnorm(torch.randn(2, 8), None, None, None, 1e-6, "0", torch.float32,
-                              torch.float32, None, 0.0, False, False, "nccl", 8)
+                              torch.float32, None, 0.0, False, False, "nvls", 8)
