@@ -18,10 +18,12 @@ rank are counted as read + written (bf16, H columns, S rows per rank, N ranks):
   peers unless sharded) and the normed rows (local and to N-1 peers);
 * gather: N-1 peers' normed (and residual, unless sharded) rows read and written.
 
-``gbps_per_cta`` = bytes / time / CTAs of one rank.  Designs: ``push`` (today's launch shape:
-``tl.range`` pipelines, :func:`weave_compile.kernels.launch.push_meta`) and ``push_v1`` (the
-same kernel with the first push kernel's launch shape: the pull kernel's rows per iteration,
-no software pipelining, :func:`push_v1_meta`).  Residual layout: sharded in and out (what a
+``gbps_per_cta`` = bytes / time / CTAs of one rank; ``timeouts`` counts barrier waits that hit
+the spin limit during the point (0 expected).  Designs: ``push`` (today's launch shape,
+:func:`weave_compile.kernels.launch.push_meta`: several tiles in flight per CTA) and
+``push_v1`` (the same kernel with the first push kernel's launch shape: the pull kernel's rows
+per iteration, nothing unrolled or pipelined, :func:`push_v1_meta`); ``--sweep`` adds
+``push:<knob>`` rows (H=4096, 8 CTAs) with one knob of ``push`` changed (see ``SWEEP``).  Residual layout: sharded in and out (what a
 compiled model runs between fused sites) unless ``--full-residual``.  CUDA-graph replays of
 back-to-back calls (``benchmarks/common.py``'s Timer), median of repeats.
 Target (issue 11): every SM phase >= 80 GB/s per CTA at 8 CTAs, H=4096, 4096 rows per rank.
@@ -44,10 +46,24 @@ import torch  # noqa: E402
 os.environ.setdefault("WEAVE_SYMM_SPIN_LIMIT", str(1 << 24))
 
 COLUMNS = ["gpu", "torch", "triton", "git_commit", "date", "design", "phase", "ctas", "rows_per_rank",
-           "hidden", "world_size", "residual", "block_rows", "copy_stages", "norm_stages", "bytes",
-           "us", "gbps_per_cta"]
+           "hidden", "world_size", "residual", "block_rows", "copy_unroll", "copy_stages",
+           "norm_unroll", "norm_stages", "bytes", "us", "gbps_per_cta", "timeouts"]
 PHASES = {"scatter": 1, "reduce_norm": 2, "gather": 4, "all": 7, "barriers": 0}
 TARGET = 80.0
+#: ``--sweep`` (8 CTAs): the push kernel with one knob changed, on the phases the knob affects
+#: (name: (LaunchMeta overrides, phases)); block_rows changes apply to every phase's tiles.
+SWEEP = {
+    "copy_u1": (dict(copy_unroll=1), ("scatter", "gather")),
+    "copy_u2": (dict(copy_unroll=2), ("scatter", "gather")),
+    "copy_u8": (dict(copy_unroll=8), ("scatter", "gather")),
+    "copy_u1_s4": (dict(copy_unroll=1, copy_stages=4), ("scatter", "gather")),
+    "copy_u2_s3": (dict(copy_unroll=2, copy_stages=3), ("scatter", "gather")),
+    "norm_s1": (dict(norm_stages=1), ("reduce_norm",)),
+    "norm_s2": (dict(norm_stages=2), ("reduce_norm",)),
+    "norm_u2_s1": (dict(norm_unroll=2, norm_stages=1), ("reduce_norm",)),
+    "norm_r4_s2": (dict(block_rows=4, norm_stages=2), ("reduce_norm",)),
+    "norm_r1_s3": (dict(block_rows=1, norm_stages=3), ("reduce_norm",)),
+}
 
 
 def phase_bytes(phase: str, N: int, S: int, H: int, elem: int, sharded: bool) -> int:
@@ -59,8 +75,24 @@ def phase_bytes(phase: str, N: int, S: int, H: int, elem: int, sharded: bool) ->
             "all": scatter + reduce_norm + gather, "barriers": 0}[phase]
 
 
-def run(args) -> list:
+def _points(args, H: int, S: int, N: int):
+    """(design, meta, phases) to time at this hidden size."""
+    import dataclasses
+
     from weave_compile.kernels import launch
+
+    for design in args.designs:
+        for ctas in args.ctas:
+            m = (launch.push_meta(H, S, ctas, N, 2, 2) if design == "push"
+                 else launch.push_v1_meta(H, S, ctas))
+            yield design, m, args.phases
+    if args.sweep and H == 4096:
+        base = launch.push_meta(H, S, 8, N, 2, 2)
+        for name, (over, phases) in SWEEP.items():
+            yield f"push:{name}", dataclasses.replace(base, **over), phases
+
+
+def run(args) -> list:
     from weave_compile.testing.emulated_ranks import EmulatedRanks, push_allreduce_rmsnorm
 
     N, S = args.world, args.rows
@@ -77,30 +109,33 @@ def run(args) -> list:
         res = [torch.randn(S if sharded else T, H, generator=g, device="cuda").to(dt) for _ in range(N)]
         weight = torch.randn(H, generator=g, device="cuda").to(dt)
         outs = None
-        for design in args.designs:
-            for ctas in args.ctas:
-                m = (launch.push_meta(H, S, ctas, N, 2, 2) if design == "push"
-                     else launch.push_v1_meta(H, S, ctas))
-                for phase in args.phases:
-                    def call(m=m, phase=phase, ctas=ctas):
-                        nonlocal outs
-                        outs = push_allreduce_rmsnorm(
-                            ranks, xs, res, None, weight, residual_in_sharded=sharded,
-                            residual_out_sharded=sharded, comm_ctas=ctas, meta=m,
-                            phases=PHASES[phase], outputs=outs)
+        timeouts_before = 0
+        for design, m, phases in _points(args, H, S, N):
+            for phase in phases:
+                def call(m=m, phase=phase):
+                    nonlocal outs
+                    outs = push_allreduce_rmsnorm(
+                        ranks, xs, res, None, weight, residual_in_sharded=sharded,
+                        residual_out_sharded=sharded, comm_ctas=m.grid, meta=m,
+                        phases=PHASES[phase], outputs=outs)
 
-                    us = timer(call, args.iters)
-                    nbytes = phase_bytes(phase, N, S, H, 2, sharded)
-                    gbps = nbytes / us / 1e3 / m.grid if nbytes else 0.0
-                    rows.append(dict(meta, design=design, phase=phase, ctas=m.grid, rows_per_rank=S,
-                                     hidden=H, world_size=N, residual="sharded" if sharded else "full",
-                                     block_rows=m.block_rows, copy_stages=m.copy_stages,
-                                     norm_stages=m.norm_stages, bytes=nbytes, us=round(us, 2),
-                                     gbps_per_cta=round(gbps, 1)))
-                    print(f"{design:8s} H={H:5d} ctas={m.grid:2d} rows={m.block_rows} "
-                          f"stages={m.copy_stages}/{m.norm_stages} {phase:12s} {us:9.1f} us "
-                          f"{gbps:7.1f} GB/s/CTA", flush=True)
-                    write_csv(os.path.join(args.out, "comm_per_cta.csv"), rows, COLUMNS)
+                us = timer(call, args.iters)
+                timeouts = ranks.barrier_state()[0]
+                nbytes = phase_bytes(phase, N, S, H, 2, sharded)
+                gbps = nbytes / us / 1e3 / m.grid if nbytes else 0.0
+                rows.append(dict(meta, design=design, phase=phase, ctas=m.grid, rows_per_rank=S,
+                                 hidden=H, world_size=N, residual="sharded" if sharded else "full",
+                                 block_rows=m.block_rows, copy_unroll=m.copy_unroll,
+                                 copy_stages=m.copy_stages, norm_unroll=m.norm_unroll,
+                                 norm_stages=m.norm_stages, bytes=nbytes, us=round(us, 2),
+                                 gbps_per_cta=round(gbps, 1), timeouts=timeouts - timeouts_before))
+                timeouts_before = timeouts
+                print(f"{design:18s} H={H:5d} ctas={m.grid:2d} rows={m.block_rows} "
+                      f"copy u{m.copy_unroll}/s{m.copy_stages} norm u{m.norm_unroll}/s{m.norm_stages} "
+                      f"{phase:12s} {us:9.1f} us {gbps:7.1f} GB/s/CTA"
+                      + (f"  {rows[-1]['timeouts']} BARRIER TIMEOUTS" if rows[-1]["timeouts"] else ""),
+                      flush=True)
+                write_csv(os.path.join(args.out, "comm_per_cta.csv"), rows, COLUMNS)
         timeouts, pads = ranks.barrier_state()
         if timeouts or pads:
             print(f"# H={H}: {timeouts} barrier timeouts, {pads} pad slots not reset!", flush=True)
@@ -126,7 +161,7 @@ def plot(rows, path: str) -> None:
                 continue
             pts = sorted((int(r["ctas"]), float(r["gbps_per_cta"])) for r in rows
                          if int(r["hidden"]) == H and r["design"] == design and r["phase"] == phase)
-            if pts:
+            if pts and ":" not in design:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o" if design == "push" else ":x",
                         color=colors.get(phase, "gray"), label=f"{design} {phase}")
         ax.axhline(TARGET, color="gray", lw=0.8, ls="--", label=f"target {TARGET:.0f} GB/s/CTA")
@@ -152,6 +187,7 @@ def main() -> None:
     ap.add_argument("--designs", nargs="+", default=["push", "push_v1"], choices=["push", "push_v1"])
     ap.add_argument("--phases", nargs="+", default=list(PHASES), choices=list(PHASES))
     ap.add_argument("--full-residual", action="store_true", help="residual in and out [T, H]")
+    ap.add_argument("--sweep", action="store_true", help="also time the SWEEP variants (H=4096, 8 CTAs)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
