@@ -144,16 +144,16 @@ def run(args) -> list:
 
 
 def plot(rows, path: str) -> None:
+    """One panel per hidden size: GB/s per CTA over CTAs, a line per (design, phase)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as e:
-        print(f"# matplotlib unavailable ({e}); no plot")
-        return
+        from matplotlib import pyplot
+    except Exception as e:  # optional: the CSV is the result
+        return print(f"# matplotlib unavailable ({e}); no plot")
     hs = sorted({int(r["hidden"]) for r in rows})
-    fig, axes = plt.subplots(1, len(hs), figsize=(6.5 * len(hs), 4.5), squeeze=False)
+    fig, axes = pyplot.subplots(1, len(hs), figsize=(6.5 * len(hs), 4.5), squeeze=False)
     colors = {"scatter": "tab:blue", "reduce_norm": "tab:red", "gather": "tab:green", "all": "k"}
     for ax, H in zip(axes[0], hs):
         for (design, phase) in dict.fromkeys((r["design"], r["phase"]) for r in rows):
