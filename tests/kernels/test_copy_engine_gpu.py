@@ -256,3 +256,41 @@ def test_ce_graph_replay_new_data(sharded, seed):
         _check(second, second_partials, res_full, bias, weight, N, T, sharded)
         for ws in wss:
             assert int(ws.regions[ws.rank].flags.abs().sum()) == 0
+
+
+def _main() -> None:
+    """Script mode, without pytest (whose start on the device machine is in doubt, NOTES.md):
+    ``python tests/kernels/test_copy_engine_gpu.py`` runs every case, printing one line each."""
+    import random
+    import sys
+    import traceback
+
+    seed = random.randrange(2**31)
+    cases = [("memops_cross_stream_in_graph", test_stream_memops_cross_stream_in_graph, {})]
+    cases += [(f"float64 N={n} T={t} H={h} residual={r}", test_ce_emulated_matches_float64,
+               dict(N=n, T=t, H=h, residual=r, seed=seed))
+              for n in (2, 3) for t, h in [(1, 4096), (257, 3000), (4099, 4096), (130, 8192)]
+              for r in (None, "full", "sharded")]
+    cases += [(f"dtypes {d}", test_ce_emulated_dtypes_scale, dict(dtype=d[0], res_dtype=d[1], out_dtype=d[2], seed=seed))
+              for d in [(torch.float32,) * 3, (torch.bfloat16, torch.float32, torch.bfloat16),
+                        (torch.float16, torch.float16, torch.float32)]]
+    cases += [("1000 calls", test_ce_1000_back_to_back_calls, dict(seed=seed))]
+    cases += [(f"graph replay sharded={s}", test_ce_graph_replay_new_data, dict(sharded=s, seed=seed)) for s in (False, True)]
+    failed = 0
+    print(f"seed={seed}", flush=True)
+    for name, fn, kw in cases:
+        t0 = time.monotonic()
+        try:
+            fn(**kw)
+            print(f"PASS {name} ({time.monotonic() - t0:.1f} s)", flush=True)
+        except BaseException:  # pytest.fail raises an outcome exception, not an Exception
+            failed += 1
+            print(f"FAIL {name}\n{traceback.format_exc()[-3000:]}", flush=True)
+            if "did not finish" in traceback.format_exc():
+                break  # a stream is still blocked: what follows would hang
+    print(f"{failed} failed", flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    _main()

@@ -74,19 +74,34 @@ def test_push_meta_is_rank_independent_pipelined_and_covers_rows():
                     m = launch.push_meta(H, S, ctas, world, nbytes, nbytes)
                     assert m == launch.push_meta(H, S, ctas, world, nbytes, nbytes)
                     assert 1 <= m.grid <= ctas and m.block_h >= H
-                    assert 1 <= m.block_rows <= 8 and m.block_rows & (m.block_rows - 1) == 0
-                    assert 1 <= m.copy_stages <= 4 and 1 <= m.norm_stages <= 3
+                    for n in (m.block_rows, m.copy_unroll, m.norm_unroll):
+                        assert 1 <= n <= 8 and n & (n - 1) == 0  # tl.arange needs powers of 2
+                    assert 1 <= m.norm_stages <= 3
                     # the staged loads of one add+norm iteration fit the shared-memory budget
                     tile = m.block_rows * m.block_h
                     assert m.norm_stages == 1 or m.norm_stages * tile * (world * nbytes + nbytes) <= 160 * 1024
-                    seen = sorted(j0 + k for pid in range(m.grid)
-                                  for j0 in range(pid * m.block_rows, S, m.grid * m.block_rows)
-                                  for k in range(m.block_rows) if j0 + k < S)
-                    assert seen == list(range(S))
-    # the shape the measurements call for: 2 rows x 3-4 stages at H=4096, bf16, 8 CTAs
+                    # every shard row is visited exactly once by every unrolled grid-stride
+                    # loop, and by the same CTA whatever the unrolling (the barriers pair CTAs)
+                    owner = {}
+                    for unroll in (1, m.copy_unroll, m.norm_unroll):
+                        step = m.grid * m.block_rows
+                        seen = {}
+                        for pid in range(m.grid):
+                            for j0 in range(pid * m.block_rows, S, step * unroll):
+                                for u in range(unroll):
+                                    for i in range(m.block_rows):
+                                        j = j0 + u * step + i
+                                        if j < S:
+                                            assert j not in seen
+                                            seen[j] = pid
+                        assert sorted(seen) == list(range(S))
+                        assert owner.setdefault("pid", seen) == seen
+    # the shape the measurements call for at H=4096, bf16, 8 CTAs: 2-row tiles,
+    # 4 tiles (64 KB) in flight per copy iteration, a 3-stage add+norm pipeline
     m = launch.push_meta(4096, 4096, 8, 2, 2, 2)
-    assert (m.grid, m.block_rows, m.copy_stages, m.norm_stages) == (8, 2, 4, 3)
-    assert launch.push_v1_meta(4096, 4096, 8).copy_stages == 1
+    assert (m.grid, m.block_rows, m.copy_unroll, m.norm_stages) == (8, 2, 4, 3)
+    v1 = launch.push_v1_meta(4096, 4096, 8)
+    assert (v1.block_rows, v1.copy_unroll, v1.copy_stages, v1.norm_stages) == (4, 1, 1, 1)
 
 
 @requires_triton

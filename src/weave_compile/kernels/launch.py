@@ -34,7 +34,8 @@ PULL_KERNELS = ("multimem", "p2p_pull")
 #: Shared memory the push kernel's software pipeline may use for staged loads (H100/H200
 #: allow 227 KB per CTA; leave room for the reduction scratch and the compiler's slack).
 _SMEM_BUDGET = 160 * 1024
-_MAX_COPY_STAGES, _MAX_NORM_STAGES = 4, 3
+_MAX_NORM_STAGES = 3
+_COPY_IN_FLIGHT = 64 * 1024  # bytes each CTA of a copy phase loads before it stores
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,12 @@ class LaunchMeta:
     block_rows: int
     num_warps: int
     grid: int
-    copy_stages: int = 1  # push kernel: tl.range stages of the scatter / gather loops
-    norm_stages: int = 1  # push kernel: tl.range stages of the add+norm loop
+    # push kernel only: tiles per iteration and tl.range stages of the scatter / gather
+    # loops and of the add+norm loop
+    copy_unroll: int = 1
+    copy_stages: int = 1
+    norm_unroll: int = 1
+    norm_stages: int = 1
 
 
 def _warps_and_rows(hidden: int, rows_per_rank: int, comm_ctas: int, r_max: int,
@@ -75,19 +80,24 @@ def launch_meta(hidden: int, rows_per_rank: int, comm_ctas: int,
 @functools.lru_cache(maxsize=4096)
 def push_meta(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
               in_bytes: int, res_bytes: int, num_warps: Optional[int] = None) -> LaunchMeta:
-    """The push kernel's tile shape, grid and pipeline depths.
+    """The push kernel's tile shape, grid, unrolling and pipeline depth.
 
-    Tiles of ~8192 elements (2 rows at H=4096, 1 at 8192: 16 KB of bf16), and as many
-    ``tl.range`` stages as the shared-memory budget allows for the loads one iteration stages
-    (copy phases: one tile; add+norm: N partials + the residual), capped at 4 / 3: several
-    tiles in flight per CTA instead of one (DESIGN.md section 6)."""
+    Tiles of ~8192 elements (2 rows at H=4096, 1 at 8192: 16 KB of bf16).  Copy phases: as
+    many tiles per iteration as make ~64 KB in flight per CTA, held in registers (no shared
+    memory staging: a 2-row x 4-stage ``tl.range`` copy measured slower than 4 unpipelined
+    rows, benchmarks/NOTES.md).  Add+norm: one tile per iteration, as many ``tl.range`` stages
+    (<= 3) as the shared-memory budget allows for the loads one iteration stages (x, N-1
+    partials, the residual).  Never more tiles per iteration than the shard gives a CTA."""
     block_h, block_rows, num_warps, grid = _warps_and_rows(
         hidden, rows_per_rank, comm_ctas, max(1, min(8, 8192 // next_pow2(hidden))), num_warps)
     elems = block_rows * block_h
-    copy_stages = max(1, min(_MAX_COPY_STAGES, _SMEM_BUDGET // (elems * max(in_bytes, res_bytes))))
+    tiles_per_cta = max(1, math.ceil(rows_per_rank / (grid * block_rows)))
+    copy_unroll = max(1, min(8, prev_pow2(_COPY_IN_FLIGHT // (elems * max(in_bytes, res_bytes))),
+                             prev_pow2(tiles_per_cta)))
     norm_stage_bytes = elems * (world_size * in_bytes + res_bytes)
     norm_stages = max(1, min(_MAX_NORM_STAGES, _SMEM_BUDGET // norm_stage_bytes))
-    return LaunchMeta(block_h, block_rows, num_warps, grid, copy_stages, norm_stages)
+    return LaunchMeta(block_h, block_rows, num_warps, grid, copy_unroll=copy_unroll,
+                      norm_stages=norm_stages)
 
 
 def push_v1_meta(hidden: int, rows_per_rank: int, comm_ctas: int,
@@ -123,7 +133,8 @@ def pull_constexprs(use_multimem: bool, **kw) -> dict:
 
 def push_constexprs(meta: LaunchMeta, **kw) -> dict:
     return dict(norm_constexprs(block_h=meta.block_h, block_rows=meta.block_rows, **kw),
-                COPY_STAGES=meta.copy_stages, NORM_STAGES=meta.norm_stages)
+                COPY_UNROLL=meta.copy_unroll, COPY_STAGES=meta.copy_stages,
+                NORM_UNROLL=meta.norm_unroll, NORM_STAGES=meta.norm_stages)
 
 
 def _norm_inputs(residual, bias, weight):
@@ -164,11 +175,14 @@ def launch_pull(ws: SymmWorkspace, *, num_tokens: int, mid_dtype, residual, bias
 def launch_push(ws: SymmWorkspace, x, residual, bias, weight, normed, residual_out, *,
                 num_tokens: int, mid_dtype, residual_in_sharded: bool, residual_out_sharded: bool,
                 eps: float, weight_offset: float, comm_ctas: int, num_warps: Optional[int],
-                meta: Optional[LaunchMeta] = None, phases: int = 7, sync: bool = True) -> LaunchMeta:
+                meta: Optional[LaunchMeta] = None, phases: int = 7, sync: bool = True,
+                compile_only: bool = False) -> LaunchMeta:
     """Launch the push kernel: x, residual and the outputs are ordinary tensors.
 
     ``meta`` overrides the launch shape (benchmarks: :func:`push_v1_meta`); ``phases`` and
-    ``sync`` are the kernel's measurement / simulation hooks (see :mod:`.push`)."""
+    ``sync`` are the kernel's measurement / simulation hooks (see :mod:`.push`);
+    ``compile_only`` compiles without launching (emulated ranks compile every rank's launch
+    before enqueueing any, so no rank spins while the host compiles a peer's)."""
     N, H = ws.world_size, ws.hidden
     S = math.ceil(num_tokens / N)
     dummy = ws.ptr_table
@@ -181,14 +195,18 @@ def launch_push(ws: SymmWorkspace, x, residual, bias, weight, normed, residual_o
         has_residual=residual is not None, has_weight=weight is not None,
         residual_in_sharded=residual_in_sharded, residual_out_sharded=residual_out_sharded,
         spin=spin_limit(), interp=interpreting())
-    push_allreduce_rmsnorm_kernel[(meta.grid,)](
-        ws.ptr_table, x, residual if residual is not None else dummy,
-        bias if bias is not None else dummy, weight if weight is not None else dummy,
-        normed, residual_out, ws.status,
-        num_tokens, S, ws.capacity // N, ws.rank, ws.pad_offset,
-        x.stride(0), residual.stride(0) if residual is not None else 0,
-        normed.stride(0), residual_out.stride(0), float(eps), float(weight_offset),
-        PHASES=int(phases), SYNC=bool(sync), num_warps=meta.num_warps, num_stages=1, **consts)
+    args = (ws.ptr_table, x, residual if residual is not None else dummy,
+            bias if bias is not None else dummy, weight if weight is not None else dummy,
+            normed, residual_out, ws.status,
+            num_tokens, S, ws.capacity // N, ws.rank, ws.pad_offset,
+            x.stride(0), residual.stride(0) if residual is not None else 0,
+            normed.stride(0), residual_out.stride(0), float(eps), float(weight_offset))
+    kwargs = dict(PHASES=int(phases), SYNC=bool(sync), num_warps=meta.num_warps, num_stages=1,
+                  **consts)
+    if compile_only:  # compile (or find) the binary this launch would run, launch nothing
+        push_allreduce_rmsnorm_kernel.warmup(*args, grid=(meta.grid,), **kwargs)
+    else:
+        push_allreduce_rmsnorm_kernel[(meta.grid,)](*args, **kwargs)
     return meta
 
 

@@ -18,11 +18,12 @@ The barrier before phase 1 also says every peer finished its previous launch on 
 (its phase 2 read our earlier pushes, its phase 3 our earlier output pushes).
 
 Bytes in flight, not the hardware, set the bandwidth one SM reaches (DESIGN.md section 6: one
-8 KB row in flight per CTA moves 34-39 GB/s, four rows 86-91 GB/s).  So every phase's row loop
-is a ``tl.range`` software pipeline (``COPY_STAGES`` for the copy phases, ``NORM_STAGES`` for
-the add+norm phase, whose loads are staged in shared memory by Triton's pipeliner) over tiles
-of ``BLOCK_ROWS`` rows: several tiles' loads are in flight while one is stored, so few CTAs
-carry the traffic.  :func:`weave_compile.kernels.launch.push_meta` picks the shape.
+8 KB row in flight per CTA moves 34-39 GB/s, four rows 86-91 GB/s).  So every phase keeps
+several tiles of ``BLOCK_ROWS`` rows in flight per CTA: the copy phases load ``COPY_UNROLL``
+tiles (one grid-stride iteration unrolled: the same rows per CTA) before storing them, and the
+add+norm loop is a ``tl.range`` software pipeline of ``NORM_STAGES`` stages (Triton stages its
+loads in shared memory), so few CTAs carry the traffic.  Both loop kinds take both knobs;
+:func:`weave_compile.kernels.launch.push_meta` picks the shape.
 
 ``PHASES`` (bitmask 1|2|4) and ``SYNC`` are measurement and simulation hooks: the per-CTA
 benchmark leaves phases out (barriers kept, so the pads still pair up), and the one-process CPU
@@ -49,13 +50,14 @@ if HAS_TRITON:
     def _copy_phase(SRC, stride_src, src_owner_rows: tl.constexpr, DST, stride_dst,
                     dst_owner_rows: tl.constexpr, src_base_row, dst_base_row, owner, pid, step,
                     rows_per_rank, num_tokens, cols, col_ok, BLOCK_ROWS: tl.constexpr,
-                    STAGES: tl.constexpr):
+                    UNROLL: tl.constexpr, STAGES: tl.constexpr):
         """Copy ``owner``'s shard rows of this CTA: row ``j`` of ``SRC`` -> row ``j`` of ``DST``.
 
-        A side indexed by global rows (``*_owner_rows`` false) is addressed at ``owner * S +
-        j``; a slot side at ``*_base_row + j``."""
-        for j0 in tl.range(pid * BLOCK_ROWS, rows_per_rank, step, num_stages=STAGES):
-            j, rows, ok = shard_rows(j0, BLOCK_ROWS, owner, rows_per_rank, num_tokens)
+        A side indexed by global rows (``*_owner_rows`` true) is addressed at ``owner * S +
+        j``; a slot side at ``*_base_row + j``.  ``UNROLL`` tiles per iteration are loaded
+        before any is stored."""
+        for j0 in tl.range(pid * BLOCK_ROWS, rows_per_rank, step * UNROLL, num_stages=STAGES):
+            j, rows, ok = shard_rows(j0, BLOCK_ROWS, owner, rows_per_rank, num_tokens, UNROLL, step)
             m = ok[:, None] & col_ok[None, :]
             if src_owner_rows:
                 s_row = rows
@@ -80,7 +82,8 @@ if HAS_TRITON:
         num_tokens, rows_per_rank, slot_rows, rank, pad_offset,  # T, S, capacity / N, r, slot
         stride_x_row, stride_res_row, stride_out_row, stride_res_out_row, eps, weight_offset,
         WORLD_SIZE: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr,
-        BLOCK_ROWS: tl.constexpr, COPY_STAGES: tl.constexpr, NORM_STAGES: tl.constexpr,
+        BLOCK_ROWS: tl.constexpr, COPY_UNROLL: tl.constexpr, COPY_STAGES: tl.constexpr,
+        NORM_UNROLL: tl.constexpr, NORM_STAGES: tl.constexpr,
         IN_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, RES_DTYPE: tl.constexpr,
         MID_DTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
         HAS_WEIGHT: tl.constexpr, HAS_MID: tl.constexpr, RESIDUAL_IN_SHARDED: tl.constexpr,
@@ -92,32 +95,36 @@ if HAS_TRITON:
         cols = tl.arange(0, BLOCK_H)
         col_ok = cols < HIDDEN
         in_base = _region(PTR_TABLE, 0, rank, IN_DTYPE, WORLD_SIZE)
+        # Peers are visited as rank + 1, rank + 2, ... (mod N): no branch on the run-time
+        # rank around an access, so the pipeliner can stage every load of a loop.
 
         # Entry: every peer finished its previous launch on this channel.
         if SYNC:
             block_barrier(PTR_TABLE, STATUS, rank, pad_offset, WORLD_SIZE, SPIN_LIMIT, FENCE_ASM)
         # 1. scatter: our partial of owner p's rows -> slot [rank] of p's input region.
         if PHASES & 1:
-            for p in tl.static_range(WORLD_SIZE):
-                if p != rank:
-                    _copy_phase(X, stride_x_row, True, _region(PTR_TABLE, 0, p, IN_DTYPE, WORLD_SIZE),
-                                HIDDEN, False, 0, rank * slot_rows, p, pid, step, rows_per_rank,
-                                num_tokens, cols, col_ok, BLOCK_ROWS, COPY_STAGES)
+            for q in tl.static_range(1, WORLD_SIZE):
+                p = (rank + q) % WORLD_SIZE
+                _copy_phase(X, stride_x_row, True, _region(PTR_TABLE, 0, p, IN_DTYPE, WORLD_SIZE),
+                            HIDDEN, False, 0, rank * slot_rows, p, pid, step, rows_per_rank,
+                            num_tokens, cols, col_ok, BLOCK_ROWS, COPY_UNROLL, COPY_STAGES)
         if SYNC:
             block_barrier(PTR_TABLE, STATUS, rank, pad_offset, WORLD_SIZE, SPIN_LIMIT, FENCE_ASM)
 
         # 2. reduce our rows locally, add, norm; keep our rows, push them to every peer.
         if PHASES & 2:
             bias, w = norm_params(BIAS, WEIGHT, cols, col_ok, weight_offset, HAS_BIAS, HAS_WEIGHT)
-            for j0 in tl.range(pid * BLOCK_ROWS, rows_per_rank, step, num_stages=NORM_STAGES):
-                j, rows, ok = shard_rows(j0, BLOCK_ROWS, rank, rows_per_rank, num_tokens)
+            for j0 in tl.range(pid * BLOCK_ROWS, rows_per_rank, step * NORM_UNROLL,
+                               num_stages=NORM_STAGES):
+                j, rows, ok = shard_rows(j0, BLOCK_ROWS, rank, rows_per_rank, num_tokens,
+                                         NORM_UNROLL, step)
                 m = ok[:, None] & col_ok[None, :]
                 acc = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=m,
                               other=0.0).to(tl.float32)
-                for p in tl.static_range(WORLD_SIZE):
-                    if p != rank:
-                        acc += tl.load(in_base + (p * slot_rows + j)[:, None] * HIDDEN + cols[None, :],
-                                       mask=m, other=0.0).to(tl.float32)
+                for q in tl.static_range(1, WORLD_SIZE):
+                    p = (rank + q) % WORLD_SIZE
+                    acc += tl.load(in_base + (p * slot_rows + j)[:, None] * HIDDEN + cols[None, :],
+                                   mask=m, other=0.0).to(tl.float32)
                 res, normed = add_norm(acc, j, rows, m, cols, RESIDUAL, stride_res_row, bias, w, eps,
                                        HIDDEN, RES_DTYPE, OUT_DTYPE, MID_DTYPE, HAS_BIAS,
                                        HAS_RESIDUAL, HAS_WEIGHT, HAS_MID, RESIDUAL_IN_SHARDED)
@@ -128,13 +135,13 @@ if HAS_TRITON:
                 else:
                     tl.store(RESIDUAL_OUT + rows[:, None] * stride_res_out_row + cols[None, :], res,
                              mask=m)
-                    for p in tl.static_range(WORLD_SIZE):
-                        if p != rank:
-                            tl.store(_region(PTR_TABLE, 2, p, RES_DTYPE, WORLD_SIZE) + slot, res, mask=m)
+                    for q in tl.static_range(1, WORLD_SIZE):
+                        p = (rank + q) % WORLD_SIZE
+                        tl.store(_region(PTR_TABLE, 2, p, RES_DTYPE, WORLD_SIZE) + slot, res, mask=m)
                 tl.store(NORMED + rows[:, None] * stride_out_row + cols[None, :], normed, mask=m)
-                for p in tl.static_range(WORLD_SIZE):
-                    if p != rank:
-                        tl.store(_region(PTR_TABLE, 1, p, OUT_DTYPE, WORLD_SIZE) + slot, normed, mask=m)
+                for q in tl.static_range(1, WORLD_SIZE):
+                    p = (rank + q) % WORLD_SIZE
+                    tl.store(_region(PTR_TABLE, 1, p, OUT_DTYPE, WORLD_SIZE) + slot, normed, mask=m)
         if SYNC:
             block_barrier(PTR_TABLE, STATUS, rank, pad_offset, WORLD_SIZE, SPIN_LIMIT, FENCE_ASM)
 
@@ -142,14 +149,14 @@ if HAS_TRITON:
         if PHASES & 4:
             out_base = _region(PTR_TABLE, 1, rank, OUT_DTYPE, WORLD_SIZE)
             res_base = _region(PTR_TABLE, 2, rank, RES_DTYPE, WORLD_SIZE)
-            for p in tl.static_range(WORLD_SIZE):
-                if p != rank:
-                    _copy_phase(out_base, HIDDEN, False, NORMED, stride_out_row, True, p * slot_rows,
-                                0, p, pid, step, rows_per_rank, num_tokens, cols, col_ok,
-                                BLOCK_ROWS, COPY_STAGES)
-                    if not RESIDUAL_OUT_SHARDED:
-                        _copy_phase(res_base, HIDDEN, False, RESIDUAL_OUT, stride_res_out_row, True,
-                                    p * slot_rows, 0, p, pid, step, rows_per_rank, num_tokens, cols,
-                                    col_ok, BLOCK_ROWS, COPY_STAGES)
+            for q in tl.static_range(1, WORLD_SIZE):
+                p = (rank + q) % WORLD_SIZE
+                _copy_phase(out_base, HIDDEN, False, NORMED, stride_out_row, True, p * slot_rows,
+                            0, p, pid, step, rows_per_rank, num_tokens, cols, col_ok, BLOCK_ROWS,
+                            COPY_UNROLL, COPY_STAGES)
+                if not RESIDUAL_OUT_SHARDED:
+                    _copy_phase(res_base, HIDDEN, False, RESIDUAL_OUT, stride_res_out_row, True,
+                                p * slot_rows, 0, p, pid, step, rows_per_rank, num_tokens, cols,
+                                col_ok, BLOCK_ROWS, COPY_UNROLL, COPY_STAGES)
 else:  # pragma: no cover
     push_allreduce_rmsnorm_kernel = None

@@ -15,10 +15,16 @@ from .common import HAS_TRITON, tl, triton
 if HAS_TRITON:
 
     @triton.jit
-    def shard_rows(j0, BLOCK_ROWS: tl.constexpr, owner, rows_per_rank, num_tokens):
+    def shard_rows(j0, BLOCK_ROWS: tl.constexpr, owner, rows_per_rank, num_tokens,
+                   UNROLL: tl.constexpr = 1, step=0):
         """Shard-local indices ``j`` and global rows of ``owner``'s shard, with validity
-        (rows past the shard or past T are masked: padded rows are never read)."""
-        j = j0 + tl.arange(0, BLOCK_ROWS)
+        (rows past the shard or past T are masked: padded rows are never read).
+
+        ``UNROLL`` tiles of ``BLOCK_ROWS`` rows, ``step`` rows apart: one iteration of a
+        grid-stride loop unrolled ``UNROLL`` times (the rows a CTA visits stay the same, only
+        more of them are in flight at once)."""
+        a = tl.arange(0, UNROLL * BLOCK_ROWS)
+        j = j0 + (a // BLOCK_ROWS) * step + a % BLOCK_ROWS
         rows = (owner * rows_per_rank + j).to(tl.int64)
         ok = (j < rows_per_rank) & (rows < num_tokens)
         return j.to(tl.int64), rows, ok

@@ -174,14 +174,16 @@ def push_allreduce_rmsnorm(ranks: EmulatedRanks, xs: Sequence[torch.Tensor],
     ranks.check_coresident(meta.grid)
     all_phases = kw.pop("phases", 7)
 
-    def one(r, ws, phases=all_phases, sync=True):
+    def one(r, ws, phases=all_phases, sync=True, compile_only=False):
         normed, res_out = outputs[r]
         launch.launch_push(ws, xs[r], residuals[r], bias, weight, normed, res_out, num_tokens=T,
                            residual_out_sharded=residual_out_sharded, comm_ctas=comm_ctas,
-                           meta=meta, phases=phases, sync=sync, **kw)
+                           meta=meta, phases=phases, sync=sync, compile_only=compile_only, **kw)
         return outputs[r]
 
     if interpreting() or ranks.device.type != "cuda":
         interpreter_compat()
         return ranks.run_phased(lambda r, ws, ph: one(r, ws, phases=ph, sync=False), (1, 2, 4))
+    for r, ws in enumerate(ranks.workspaces):  # compile before any rank starts to spin
+        one(r, ws, compile_only=True)
     return ranks.run(one)

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -84,8 +85,7 @@ def compile_variant_ptx(kernel: str, dtype: torch.dtype, hidden: int,
         meta = launch.push_meta(hidden, rows_per_rank, comm_ctas, world_size, dtype.itemsize,
                                 residual_dtype.itemsize, num_warps)
         if block_rows is not None:
-            meta = launch.LaunchMeta(meta.block_h, int(block_rows), meta.num_warps, meta.grid,
-                                     meta.copy_stages, meta.norm_stages)
+            meta = dataclasses.replace(meta, block_rows=int(block_rows))
         consts = dict(launch.push_constexprs(meta, **flags), PHASES=7, SYNC=True)
         runtime_sig.update(X=sig(dtype), NORMED=sig(out_dtype), slot_rows="i32",
                            stride_x_row="i32", stride_out_row="i32")
