@@ -30,7 +30,7 @@ def test_wrong_type(key, value):
     assert f"option {key!r} must be {want}, got {type(value).__name__} {value!r}" in str(e.value)
 
 
-@pytest.mark.parametrize("key,value", [("kernel", "nccl"), ("compiler", "eager"), ("comm_ctas", 0), ("comm_ctas", 33),
+@pytest.mark.parametrize("key,value", [("kernel", "nvls"), ("compiler", "eager"), ("comm_ctas", 0), ("comm_ctas", 33),
                                        ("split_threshold", 1), ("split_at", -1), ("num_sms", -4),
                                        ("mode", "fast")])
 def test_bad_value(key, value):

@@ -13,7 +13,7 @@ import hashlib
 import json
 from typing import Any, Literal, get_args, get_type_hints
 
-KernelChoice = Literal["auto", "reference", "p2p", "multimem"]
+KernelChoice = Literal["auto", "reference", "p2p", "multimem", "ce", "nccl"]
 Compiler = Literal["inductor", "aot_eager"]
 Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
@@ -27,9 +27,13 @@ class TokenWeaveConfig:
     #: Keep the residual stream sharded by token rows between fused sites whose only
     #: consumer of the residual is the next fused site.
     shard_residual: bool = True
-    #: Implementation of the fused op: ``auto`` picks multimem > p2p > reference by
-    #: capability, size and dtype; the others force one (a forced kernel that cannot run
-    #: falls back to ``reference`` with a logged reason).
+    #: Implementation of the fused op: ``auto`` picks ``multimem`` where multicast exists, else the
+    #: fastest design measured for the world size, token count and split among those that can run
+    #: (``kernels/auto_table.py``; where nothing was measured, by capability: ``p2p``, else
+    #: ``reference``); the others force one: ``p2p``, ``multimem``,
+    #: ``ce`` (copy engines + stream-memory-op flags + a few-CTA add+norm), ``nccl`` (NCCL
+    #: reduce-scatter/all-gather around the same add+norm), ``reference``. A forced kernel that
+    #: cannot run falls back to ``reference`` with a logged reason.
     kernel: KernelChoice = "auto"
     #: Thread blocks the fused communication kernel may occupy (1-32). 32 measured fastest on
     #: 2x H200 at every T >= 512 without overlap (benchmarks/NOTES.md); TokenWeave uses 2-8

@@ -99,6 +99,12 @@ def _fused(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         out = _symm(kernel, comm_ctas, **a)
         if out is not None:
             return out
+    elif kernel in ("ce", "nccl") and (a["x"].is_cuda or kernel == "nccl"):
+        from weave_compile.kernels import comm_kernels
+
+        out = comm_kernels.dispatch(kernel, comm_ctas=comm_ctas, **a)
+        if out is not None:
+            return out
     return reference_impl(**a)
 
 
@@ -114,7 +120,7 @@ def _symm(kernel: str, comm_ctas: int, *, x, residual, bias, weight, residual_in
             None if bias is None else bias.reshape(hidden),
             None if weight is None else weight.reshape(hidden),
             residual_in_sharded=residual_in_sharded, residual_out_sharded=residual_out_sharded,
-            num_ctas=comm_ctas, variant=kernel, **rest,
+            comm_ctas=comm_ctas, kernel=kernel, **rest,
         )
     except symm.SymmCapacityError as e:
         # The workspace cannot grow inside CUDA-graph capture: the collective path can.

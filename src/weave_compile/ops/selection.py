@@ -7,11 +7,15 @@ public names only.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
+from .reference import group_size
+
 #: Values of the op's ``kernel`` argument.
-KERNELS = ("reference", "p2p", "multimem")
-#: The kernels in :mod:`weave_compile.kernels` (the others run :func:`.reference.reference_impl`).
+KERNELS = ("reference", "p2p", "multimem", "ce", "nccl")
+#: The barrier-based symmetric-memory Triton kernels of :mod:`weave_compile.kernels`.
 SYMM_KERNELS = ("p2p", "multimem")
 
 
@@ -19,22 +23,29 @@ def symm_kernels():
     """The symmetric-memory kernels' public names (``fused_allreduce_rmsnorm_symm``,
     ``select_symm_variant``, ``check_hidden``, ``SymmCapacityError``, ``reserve``); imported on
     first use: they need triton. The one place that names their module."""
-    from weave_compile.kernels import symm_mem_allreduce_rmsnorm as symm  # TODO(merge): `kernels as symm`
+    from weave_compile import kernels as symm
 
     return symm
 
 
 def select_kernel(
-    requested: str, device: torch.device, dtypes: tuple[torch.dtype, ...], hidden: int, group_name: str
+    requested: str, device: torch.device, dtypes: tuple[torch.dtype, ...], hidden: int, group_name: str,
+    num_tokens: Optional[int] = None, split: bool = False,
 ) -> tuple[str, str]:
     """Pick the implementation at compile time; returns ``(kernel, reason)`` for the explain report.
 
-    ``dtypes`` are the input's, the residual's and the output's. On CUDA this rendezvous-es a
-    probe buffer on first use (collective): every rank compiles the same graphs, so every rank
-    gets here together.
+    ``dtypes`` are the input's, the residual's and the output's; ``num_tokens`` the graph's static
+    row count (None when symbolic) and ``split`` whether the token split will run: ``auto`` looks
+    them up in the measured table (:mod:`weave_compile.kernels.auto_table`). On CUDA this
+    rendezvous-es a probe buffer on first use (collective): every rank compiles the same graphs,
+    so every rank gets here together.
     """
     if requested == "reference":
         return "reference", "requested"
+    from weave_compile.kernels import comm_kernels
+
+    if requested in comm_kernels.KERNELS:
+        return comm_kernels.select(requested, device, dtypes, hidden, group_name)
     if device.type != "cuda":
         return "reference", f"{device.type} tensors: only the collective-based reference runs there"
     try:
@@ -48,7 +59,9 @@ def select_kernel(
     if variant is None:
         return "reference", reason
     if requested == "auto":
-        return variant, f"auto: {reason}"
+        if variant == "multimem":  # multicast present: TokenWeave's own design
+            return variant, f"auto: {reason}"
+        return comm_kernels.pick_auto(variant, reason, group_size(group_name), num_tokens, split)
     if requested == variant:
         return variant, "requested"
     if requested == "p2p" and variant == "multimem":

@@ -1,0 +1,242 @@
+"""Row add + RMSNorm on local memory with many bytes in flight: the SM phase of ``ce`` and ``nccl``.
+
+What: for ``n_valid`` rows, ``acc = x (+ sum of the reduce-scatter slots) (* scale) (+ bias)
+(+ residual)``, ``res = acc.to(res dtype)`` (stored), ``normed = RMSNorm(res)`` following the
+cast order of the fused op's contract (``ops/allreduce_rmsnorm.py``). Rows ``n_valid ..
+n_res_rows`` of the residual output are written as zeros (a sharded residual's padding rows).
+
+Why a kernel of its own: once copy engines (or NCCL) move the bytes between GPUs, the only SM work
+left is this local streaming pass, and it should need few CTAs so the other token half's GEMMs keep
+their SMs. Per-CTA bandwidth is set by bytes in flight (benchmarks/NOTES.md, DESIGN.md section 6):
+each CTA works on ``BLOCK_ROWS`` rows at a time and its row loop is software-pipelined
+(``tl.range(num_stages=NUM_STAGES)``) so the next rows' loads are issued before this row block's
+math. The launch shape is :func:`launch_config`; ``benchmarks/bench_comm_ce.py`` measured it.
+
+Off GPU (CPU tensors without the Triton interpreter) :func:`add_rmsnorm_rows` runs the same math
+with torch ops, which is what the copy-engine CPU simulation uses.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+from .common import HAS_TRITON, MAX_HIDDEN, interpreting, next_pow2, tl, tl_dtype, triton
+
+if HAS_TRITON:
+    from .rownorm import add_norm, norm_params, store_residual_shard
+
+
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_rows: int
+    num_stages: int
+    num_warps: int
+
+
+def launch_config(hidden: int, block_rows: Optional[int] = None, num_stages: Optional[int] = None,
+                  num_warps: Optional[int] = None) -> LaunchConfig:
+    """Rows per iteration, pipeline depth and warps for ``hidden``; any argument given overrides.
+
+    Default: a 16K-element tile (4 rows at H=4096, 2 at 8192), 3 pipeline stages, 16 warps up to
+    H=4096 and 8 above: the fastest of 12 shapes at 8 CTAs in ``bench_comm_ce.py``'s sweep (one
+    H200, 2026-12-01, ``results/comm_per_cta_ce.csv``): 61 GB/s per CTA at H=4096, 65 at 8192. A
+    shape whose pipeline does not fit in shared memory is retried with fewer stages (launcher).
+    """
+    block_h = next_pow2(hidden)
+    if block_rows is None:
+        block_rows = max(1, min(8, 16384 // block_h))
+    if num_stages is None:
+        num_stages = 3
+    if num_warps is None:
+        num_warps = 16 if block_h <= 4096 else 8
+    return LaunchConfig(int(block_rows), int(num_stages), int(num_warps))
+
+
+def check_hidden(hidden: int) -> Optional[str]:
+    """Why ``hidden`` cannot run in the kernel, or None."""
+    if hidden < 1 or hidden > MAX_HIDDEN:
+        return f"hidden size {hidden} outside [1, {MAX_HIDDEN}] (a row lives in registers)"
+    return None
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _row_block(X, RECV, RES_IN, NORMED, RES_OUT, blk, n_valid, n_res_rows, stride_x_row, stride_recv_slot,
+                   stride_res_in_row, stride_normed_row, stride_res_out_row, eps, w, b, s, cols, cmask,
+                   NUM_SLOTS: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                   RES_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, MID_DTYPE: tl.constexpr,
+                   HAS_MID: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+        rows = (blk * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+        m = (rows < n_valid)[:, None] & cmask[None, :]
+        acc = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        for k in tl.static_range(NUM_SLOTS):
+            acc += tl.load(RECV + k * stride_recv_slot + rows[:, None] * HIDDEN + cols[None, :], mask=m,
+                           other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            acc = acc * s
+        # The one add+norm body of every kernel (rownorm.py); our rows are shard-local (j == rows).
+        res, normed = add_norm(acc, rows, rows, m, cols, RES_IN, stride_res_in_row, b, w, eps, HIDDEN, RES_DTYPE,
+                               OUT_DTYPE, MID_DTYPE, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, HAS_MID, True)
+        store_residual_shard(RES_OUT, rows, res, m, cmask, cols, n_res_rows, stride_res_out_row)
+        tl.store(NORMED + rows[:, None] * stride_normed_row + cols[None, :], normed, mask=m)
+
+    @triton.jit
+    def _add_rmsnorm_rows_kernel(
+        X, RECV, RES_IN, BIAS, WEIGHT, SCALE, NORMED, RES_OUT,
+        n_valid, n_res_rows, stride_x_row, stride_recv_slot, stride_res_in_row, stride_normed_row,
+        stride_res_out_row, eps, weight_offset,
+        NUM_SLOTS: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+        NUM_STAGES: tl.constexpr, RES_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, MID_DTYPE: tl.constexpr,
+        HAS_MID: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+        HAS_WEIGHT: tl.constexpr, INTERPRET: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        cols = tl.arange(0, BLOCK_H)
+        cmask = cols < HIDDEN
+        # Loop invariants, loaded once per CTA.
+        b, w = norm_params(BIAS, WEIGHT, cols, cmask, weight_offset, HAS_BIAS, HAS_WEIGHT)
+        s = 1.0
+        if HAS_SCALE:
+            s = tl.load(SCALE).to(tl.float32)
+        num_blocks = (n_res_rows + BLOCK_ROWS - 1) // BLOCK_ROWS
+        if INTERPRET:
+            # Triton 3.6's interpreter cannot take runtime bounds in tl.range (numpy >= 2): same body.
+            blk = pid
+            while blk < num_blocks:
+                _row_block(X, RECV, RES_IN, NORMED, RES_OUT, blk, n_valid, n_res_rows, stride_x_row,
+                           stride_recv_slot, stride_res_in_row, stride_normed_row, stride_res_out_row, eps, w, b,
+                           s, cols, cmask, NUM_SLOTS, HIDDEN, BLOCK_ROWS, RES_DTYPE, OUT_DTYPE, MID_DTYPE,
+                           HAS_MID, HAS_SCALE, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT)
+                blk += nprog
+        else:
+            # Pipelined: the loads of the next row blocks are issued before this block's reduction.
+            for blk in tl.range(pid, num_blocks, nprog, num_stages=NUM_STAGES):
+                _row_block(X, RECV, RES_IN, NORMED, RES_OUT, blk, n_valid, n_res_rows, stride_x_row,
+                           stride_recv_slot, stride_res_in_row, stride_normed_row, stride_res_out_row, eps, w, b,
+                           s, cols, cmask, NUM_SLOTS, HIDDEN, BLOCK_ROWS, RES_DTYPE, OUT_DTYPE, MID_DTYPE,
+                           HAS_MID, HAS_SCALE, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT)
+
+else:  # pragma: no cover
+    _add_rmsnorm_rows_kernel = None
+
+
+def use_triton(device: torch.device) -> bool:
+    """The Triton kernel runs on CUDA tensors, and on CPU ones under ``TRITON_INTERPRET=1``."""
+    return HAS_TRITON and (device.type == "cuda" or interpreting())
+
+
+def add_rmsnorm_rows(
+    x: torch.Tensor,
+    recv: Optional[torch.Tensor],
+    residual: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    weight: Optional[torch.Tensor],
+    scale: Optional[torch.Tensor],
+    normed: torch.Tensor,
+    res_out: torch.Tensor,
+    *,
+    n_valid: int,
+    eps: float,
+    mid_dtype: Optional[torch.dtype],
+    weight_offset: float,
+    num_ctas: int,
+    config: Optional[LaunchConfig] = None,
+    force_torch: bool = False,
+) -> None:
+    """Write ``normed[:n_valid]`` and ``res_out[:len(res_out)]`` (zeros past ``n_valid``).
+
+    ``x`` [>= n_valid, H] (row stride free, unit column stride); ``recv`` [slots, >= n_valid, H]
+    contiguous rows, or None; ``residual`` [>= n_valid, H] or None; ``scale`` a 1-element tensor.
+    Rows of ``normed`` past ``n_valid`` are not touched.
+    """
+    hidden = x.shape[-1]
+    n_res_rows = res_out.shape[0]
+    if n_res_rows == 0:
+        return
+    if force_torch or not use_triton(x.device):
+        _add_rmsnorm_rows_torch(x, recv, residual, bias, weight, scale, normed, res_out, n_valid=n_valid,
+                                eps=eps, mid_dtype=mid_dtype, weight_offset=weight_offset)
+        return
+    cfg = config or launch_config(hidden)
+    slots = 0 if recv is None else recv.shape[0]
+    if recv is not None and (recv.stride(-1) != 1 or recv.stride(-2) != hidden):
+        raise ValueError("add_rmsnorm_rows: recv slots must hold contiguous rows")
+    for name, t in (("x", x), ("residual", residual), ("normed", normed), ("res_out", res_out)):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError(f"add_rmsnorm_rows: {name} needs unit column stride")
+    key = (hidden, slots, cfg, x.dtype, res_out.dtype, normed.dtype)
+    cfg = _SHRUNK.get(key, cfg)
+    while True:
+        try:
+            return _launch(x, recv, residual, bias, weight, scale, normed, res_out, n_valid, n_res_rows, eps,
+                           mid_dtype, weight_offset, num_ctas, cfg, slots)
+        except triton.runtime.errors.OutOfResources as e:
+            if cfg.num_stages <= 1:
+                raise
+            smaller = LaunchConfig(cfg.block_rows, cfg.num_stages - 1, cfg.num_warps)
+            log.info("add+norm shape %s does not fit (%s); retrying with %s", cfg, e, smaller)
+            cfg = _SHRUNK[key] = smaller
+
+
+_SHRUNK: dict = {}  # launch shapes that did not fit -> the shape that did
+
+
+def _launch(x, recv, residual, bias, weight, scale, normed, res_out, n_valid, n_res_rows, eps, mid_dtype,
+            weight_offset, num_ctas, cfg, slots) -> None:
+    hidden = x.shape[-1]
+    dummy = x
+    grid = max(1, min(int(num_ctas), triton.cdiv(n_res_rows, cfg.block_rows)))
+    _add_rmsnorm_rows_kernel[(grid,)](
+        x, recv if recv is not None else dummy, residual if residual is not None else dummy,
+        bias if bias is not None else dummy, weight if weight is not None else dummy,
+        scale if scale is not None else dummy, normed, res_out,
+        int(n_valid), int(n_res_rows), x.stride(0), recv.stride(0) if recv is not None else 0,
+        residual.stride(0) if residual is not None else 0, normed.stride(0), res_out.stride(0),
+        float(eps), float(weight_offset),
+        NUM_SLOTS=slots, HIDDEN=hidden, BLOCK_H=next_pow2(hidden), BLOCK_ROWS=cfg.block_rows,
+        NUM_STAGES=cfg.num_stages, RES_DTYPE=tl_dtype(res_out.dtype), OUT_DTYPE=tl_dtype(normed.dtype),
+        MID_DTYPE=tl_dtype(mid_dtype if mid_dtype is not None else torch.float32),
+        HAS_MID=mid_dtype is not None, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, INTERPRET=interpreting(),
+        num_warps=cfg.num_warps, num_stages=1)
+
+
+def _add_rmsnorm_rows_torch(x, recv, residual, bias, weight, scale, normed, res_out, *, n_valid, eps,
+                            mid_dtype, weight_offset) -> None:
+    """The kernel's math with torch ops (CPU simulation path)."""
+    from weave_compile.ops.reference import norm_rows
+
+    acc = x[:n_valid].float()
+    if recv is not None:
+        acc = acc + recv[:, :n_valid].float().sum(0)
+    if scale is not None:
+        acc = acc * scale.float().reshape(())
+    if bias is not None:
+        acc = acc + bias.float()
+    if residual is not None:
+        acc = acc + residual[:n_valid].float()
+    res = acc.to(res_out.dtype)
+    res_out[:n_valid].copy_(res)
+    res_out[n_valid:].zero_()
+    normed[:n_valid].copy_(norm_rows(res, weight, eps, normed.dtype, mid_dtype, weight_offset))
+
+
+@functools.lru_cache(maxsize=None)
+def bytes_moved(hidden: int, rows: int, slots: int, in_bytes: int, res_bytes: int, out_bytes: int,
+                has_residual: bool) -> int:
+    """HBM bytes read + written by one launch (for the per-CTA bandwidth of the benchmark)."""
+    reads = rows * hidden * (in_bytes * (1 + slots) + (res_bytes if has_residual else 0))
+    writes = rows * hidden * (res_bytes + out_bytes)
+    return reads + writes
