@@ -12,7 +12,7 @@ import hashlib
 import json
 from typing import Any, Literal, get_args, get_type_hints
 
-KernelChoice = Literal["auto", "reference", "p2p", "multimem"]
+KernelChoice = Literal["auto", "reference", "p2p", "multimem", "oneshot"]
 Compiler = Literal["inductor", "aot_eager"]
 Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
@@ -26,8 +26,8 @@ class TokenWeaveConfig:
     #: Keep the residual stream sharded by token rows between fused sites whose only
     #: consumer of the residual is the next fused site.
     shard_residual: bool = True
-    #: Implementation of the fused op: ``auto`` picks multimem > p2p > reference by
-    #: capability, size and dtype; the others force one (a forced kernel that cannot run
+    #: Implementation of the fused op: ``auto`` picks multimem > oneshot (static T below the
+    #: one-shot crossover) > p2p > reference by capability, size and dtype; the others force one (a forced kernel that cannot run
     #: falls back to ``reference`` with a logged reason).
     kernel: KernelChoice = "auto"
     #: Thread blocks the fused communication kernel may occupy (1-32). 32 measured fastest on

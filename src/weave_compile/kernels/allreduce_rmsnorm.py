@@ -37,7 +37,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-KERNELS = ("reference", "p2p", "multimem")
+KERNELS = ("reference", "p2p", "multimem", "oneshot")
 
 
 # ----------------------------------------------------------------------------- group helpers
@@ -161,13 +161,15 @@ def reference_impl(
 
 
 def select_kernel(
-    requested: str, device: torch.device, dtypes: tuple[torch.dtype, ...], hidden: int, group_name: str
+    requested: str, device: torch.device, dtypes: tuple[torch.dtype, ...], hidden: int, group_name: str,
+    num_tokens: Optional[int] = None,
 ) -> tuple[str, str]:
     """Pick the implementation at compile time; returns ``(kernel, reason)`` for the explain report.
 
-    ``dtypes`` are the input's, the residual's and the output's. On CUDA this rendezvous-es a
-    probe buffer on first use (collective): every rank compiles the same graphs, so every rank
-    gets here together.
+    ``dtypes`` are the input's, the residual's and the output's; ``num_tokens`` the graph's static
+    row count (None when symbolic), which decides one-shot vs two-shot under ``auto``. On CUDA this
+    rendezvous-es a probe buffer on first use (collective): every rank compiles the same graphs,
+    so every rank gets here together.
     """
     if requested == "reference":
         return "reference", "requested"
@@ -183,8 +185,16 @@ def select_kernel(
         variant, reason = None, why
     if variant is None:
         return "reference", reason
-    if requested == "auto":
-        return variant, f"auto: {reason}"
+    if requested == "oneshot" or (requested == "auto" and variant == "p2p"):
+        # One-shot: the same requirements as p2p; auto takes it for a small static T (measured
+        # against p2p only: with multicast, multimem stays the pick).
+        from . import oneshot
+
+        use, why = oneshot.choose(requested, num_tokens, hidden, dtypes[0])
+        if use:
+            return "oneshot", why if requested == "oneshot" else f"auto: {why}"
+        if requested == "auto":
+            return variant, f"auto: {reason}; not one-shot: {why}"
     if requested == variant:
         return variant, "requested"
     if requested == "p2p" and variant == "multimem":
@@ -221,9 +231,25 @@ def allreduce_add_rmsnorm(
     """
     args = (x, residual, bias, weight, eps, group_name, residual_dtype, out_dtype, mid_dtype,
             weight_offset, residual_in_sharded, residual_out_sharded, scale)
-    if scale is not None and kernel in ("p2p", "multimem"):
+    if scale is not None and kernel in ("p2p", "multimem", "oneshot"):
         raise ValueError("weave::allreduce_add_rmsnorm: the symmetric-memory kernels take no scale")
-    if kernel in ("p2p", "multimem") and x.is_cuda:
+    if kernel == "oneshot" and x.is_cuda:
+        from . import oneshot
+        from .symm_mem_allreduce_rmsnorm import SymmCapacityError
+
+        hidden = x.shape[-1]
+        try:
+            normed, residual_out = oneshot.oneshot_allreduce_rmsnorm(
+                x.reshape(-1, hidden), None if residual is None else residual.reshape(-1, hidden),
+                None if bias is None else bias.reshape(hidden), None if weight is None else weight.reshape(hidden),
+                eps=eps, group_name=group_name, residual_dtype=residual_dtype, out_dtype=out_dtype,
+                mid_dtype=mid_dtype, weight_offset=weight_offset, residual_in_sharded=residual_in_sharded,
+                residual_out_sharded=residual_out_sharded, num_ctas=comm_ctas)
+        except SymmCapacityError as e:
+            _log_fallback_once(kernel, str(e))
+        else:
+            return normed.reshape(x.shape), (residual_out if residual_out_sharded else residual_out.reshape(x.shape))
+    elif kernel in ("p2p", "multimem") and x.is_cuda:
         from . import symm_mem_allreduce_rmsnorm as symm
 
         hidden = x.shape[-1]

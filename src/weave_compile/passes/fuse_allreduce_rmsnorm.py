@@ -323,6 +323,26 @@ def _reserve_workspace(group: str, tx: torch.Tensor, residual_dtype: torch.dtype
                  residual_dtype=residual_dtype, device=tx.device)
 
 
+def _static_rows(tx: torch.Tensor) -> Optional[int]:
+    """The token count if it is static, else None."""
+    rows = 1
+    for d in tx.shape[:-1]:
+        if not isinstance(d, int):
+            return None
+        rows *= d
+    return rows
+
+
+def _reserve_oneshot(group: str, tx: torch.Tensor, tres_in: Optional[torch.Tensor]) -> None:
+    """The one-shot kernel's buffers, outside any CUDA-graph pool (collective, like the above)."""
+    from weave_compile.kernels import oneshot
+
+    hidden = int(tx.shape[-1])
+    rows = oneshot.reserve_rows(hidden, tx.dtype, _static_rows(tx) or 1)
+    res_dtype = tres_in.dtype if tres_in is not None else tx.dtype
+    oneshot.reserve(group, tx.dtype, res_dtype, hidden, rows, tx.device)
+
+
 class FuseAllReduceRMSNormPass:
     """Rewrite every matchable site, in graph order, and record every all_reduce in the report."""
 
@@ -365,9 +385,11 @@ class FuseAllReduceRMSNormPass:
             kernel, kernel_reason = "reference", "scaled site: the symmetric-memory kernels take no scale"
         else:
             kernel, kernel_reason = select_kernel(self.config.kernel, tx.device, (tx.dtype, tres.dtype, tout.dtype),
-                                                  tx.shape[-1], group)
+                                                  tx.shape[-1], group, num_tokens=_static_rows(tx))
             if kernel in ("p2p", "multimem"):
                 _reserve_workspace(group, tx, tres.dtype, tout.dtype)
+            elif kernel == "oneshot":
+                _reserve_oneshot(group, tx, val(m.residual) if m.residual is not None else None)
         # Replay the chain's views on x so the op sees the residual's shape.
         xin = x
         insert_after = anchor
