@@ -279,3 +279,45 @@ def _op_rank(rank, world):
                                                torch.float32, None, 0.0, False, False, "oneshot", 8)
     errs = mismatches(c, world, rank, normed, res_out, *expected(c, xs, residual, bias, weight))
     assert not errs, errs
+
+
+# ----------------------------------------------------------------------------- compiles for sm_90
+
+
+def _compile_sm90(dtype, rdt, *, sharded: bool):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    import triton
+
+    from weave_compile.kernels.symm_mem_allreduce_rmsnorm import _sig_dtype, _tl_dtype
+
+    fn = oneshot._oneshot_allreduce_rmsnorm_kernel
+    meta = oneshot._launch_meta(4096, 256, 32)
+    ptr = {"PTR_TABLE": "*i64", "STATE": "*i32", "X": _sig_dtype(dtype), "RESIDUAL": _sig_dtype(rdt),
+           "BIAS": _sig_dtype(dtype), "WEIGHT": _sig_dtype(dtype), "NORMED": _sig_dtype(dtype),
+           "RESIDUAL_OUT": _sig_dtype(rdt)}
+    ints = ("num_tokens", "rows_per_rank", "rank", "stride_x_row", "stride_res_row", "stride_out_row",
+            "stride_res_out_row")
+    runtime = {**ptr, **{n: "i32" for n in ints}, "slot_bytes": "i64", "src_bytes": "i64", "res_off": "i64",
+               "eps": "fp32", "weight_offset": "fp32"}
+    consts = dict(WORLD_SIZE=2, HIDDEN=4096, BLOCK_H=meta.block_h, BLOCK_ROWS=meta.block_rows,
+                  IN_DTYPE=_tl_dtype(dtype), IN_BITS=oneshot._tl_int(dtype), IN_SENT=oneshot.SENTINEL[dtype],
+                  RIN_DTYPE=_tl_dtype(rdt), RIN_BITS=oneshot._tl_int(rdt), RIN_SENT=oneshot.SENTINEL[rdt],
+                  OUT_DTYPE=_tl_dtype(dtype), RES_DTYPE=_tl_dtype(rdt), MID_DTYPE=_tl_dtype(torch.float32),
+                  HAS_BIAS=True, HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_MID=False,
+                  RESIDUAL_IN_SHARDED=sharded, RESIDUAL_OUT_SHARDED=sharded, PUSH_RES=sharded, SPIN_LIMIT=0)
+    signature = {n: runtime.get(n, "constexpr") for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ptr}
+    src = ASTSource(fn, signature, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": meta.num_warps, "num_stages": 1}).asm["ptx"]
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype,rdt,sharded", [(torch.bfloat16, torch.bfloat16, True),
+                                               (torch.float32, torch.float32, False),
+                                               (torch.float16, torch.float32, True)])
+def test_compiles_for_sm90_with_volatile_waits_and_no_multimem(dtype, rdt, sharded):
+    ptx = _compile_sm90(dtype, rdt, sharded=sharded)
+    assert "ld.volatile" in ptx  # the waits read memory, not a cached line
+    assert "multimem" not in ptx

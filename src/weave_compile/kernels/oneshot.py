@@ -415,6 +415,8 @@ def _allocate(group_name: str, device: torch.device, hidden: int, in_dtype: torc
         rank = int(handle.rank)
         ptrs = [int(p) for p in handle.buffer_ptrs]
         offset = buf.data_ptr() - ptrs[rank]  # the tensor may sit inside the allocation
+        if offset < 0 or offset % 16:
+            raise RuntimeError(f"unexpected symmetric tensor offset {offset}")
         poison_(buf, lay, n, hidden, in_dtype, res_dtype)
         table = torch.tensor([p + offset for p in ptrs], dtype=torch.int64, device=device)
         state = torch.zeros(_STATE_WORDS, dtype=torch.int32, device=device)
@@ -447,7 +449,11 @@ def get_workspace(group_name: str, in_dtype: torch.dtype, res_dtype: torch.dtype
     capacity = -(-max(1, num_tokens) // (64 * n)) * 64 * n
     if ws is not None and ws.used_in_capture:
         _RETIRED.append(ws)  # a captured graph still points at it
-    _WORKSPACES[key] = _allocate(group_name, device, hidden, in_dtype, res_dtype, capacity)
+    from .outside_pool import run_outside_graph_pool
+
+    # A run-time growth may happen inside cudagraph trees' warm-up: keep it out of the graph pool.
+    _WORKSPACES[key] = run_outside_graph_pool(
+        lambda: _allocate(group_name, device, hidden, in_dtype, res_dtype, capacity), device)
     return _WORKSPACES[key]
 
 
