@@ -170,8 +170,8 @@ def test_cuda_graph_replay_with_new_data(world, seed):
     for rep in range(12):
         new = dict(c, seed=c["seed"] + 1 + rep, neg_zero=rep % 2 == 1)
         new_inputs, fresh = _prepare(new, world)
-        for r in range(world):  # static inputs get the new data, outputs are poisoned
-            for k in (0, 1):
+        for r in range(world):  # static inputs (x, residual, bias, weight) get the new data, outputs are poisoned
+            for k in (0, 1, 2, 3):
                 per_rank[r][k].copy_(fresh[r][k])
             per_rank[r][4].fill_(float("nan"))
             per_rank[r][5].fill_(float("nan"))
