@@ -16,7 +16,8 @@ Variants (bf16, weight-only RMSNorm with a residual, eps 1e-6):
                         the outputs written in place (no staging copy, no copy out)
 * ``fused_symm_full``   ours with a full residual in and out (all-gathered too: 1.5x the
                         NVLink bytes), at ``--full-ctas``
-* ``fused_pull``        the pull kernel (peer loads; multimem's sibling) at ``--zc-ctas``, with
+* ``fused_pull``        the pull kernel (peer loads; multimem's sibling; the measurement hook
+                        ``weave_compile.testing.ptx.p2p_pull``) at ``--zc-ctas``, with
                         its staging copy in and copy out
 * ``fused_pull_zc``     the same with ``x`` already in the symmetric input buffer (no copy in)
 
@@ -41,6 +42,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Timer, meta as run_meta  # noqa: E402  (keeps NVLink multicast off)
 
 import torch  # noqa: E402
+
+from weave_compile.kernels.workspace import _WORKSPACES  # noqa: E402
+from weave_compile.testing.ptx import p2p_pull  # noqa: E402
 
 logger = logging.getLogger("bench_allreduce_rmsnorm")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -129,27 +133,22 @@ def run(args) -> None:
                 for c in args.ctas:
                     points.append(("fused_symm", c, lambda c=c: arn.fused_allreduce_rmsnorm_symm(
                         x, res_shard, None, weight, eps=EPS, group_name=group_name,
-                        num_ctas=c, variant="p2p", **sharded)))
-                for c in args.ce_ctas:
-                    points.append(("fused_ce", c, lambda c=c: arn.fused_allreduce_rmsnorm_symm(
-                        x, res_shard, None, weight, eps=EPS, group_name=group_name,
-                        num_ctas=c, variant="p2p_ce", **sharded)))
+                        comm_ctas=c, kernel="p2p", **sharded)))
                 for c in args.full_ctas:
                     points.append(("fused_symm_full", c, lambda c=c: arn.fused_allreduce_rmsnorm_symm(
                         x, residual, None, weight, eps=EPS, group_name=group_name,
-                        num_ctas=c, variant="p2p")))
+                        comm_ctas=c, kernel="p2p")))
                 # The load-based sibling of multimem, with the staging copy and with x
                 # already in the symmetric input buffer (zero-copy producer).
-                points.append(("fused_pull", args.zc_ctas, lambda: arn.fused_allreduce_rmsnorm_symm(
+                points.append(("fused_pull", args.zc_ctas, lambda: p2p_pull(
                     x, res_shard, None, weight, eps=EPS, group_name=group_name,
-                    num_ctas=args.zc_ctas, variant="p2p_pull", **sharded)))
+                    comm_ctas=args.zc_ctas, **sharded)))
                 zc_in = arn.input_buffer(group_name, dtype, T, H, device=dev)
                 zc_in.copy_(x)
                 points.append(("fused_pull_zc", args.zc_ctas,
-                               lambda: arn.fused_allreduce_rmsnorm_symm(
+                               lambda: p2p_pull(
                                    zc_in, res_shard, None, weight, eps=EPS,
-                                   group_name=group_name, num_ctas=args.zc_ctas,
-                                   variant="p2p_pull", **sharded)))
+                                   group_name=group_name, comm_ctas=args.zc_ctas, **sharded)))
             for name, ctas, fn in points:
                 us = timer(fn, iters)
                 rows.append(dict(meta, H=H, T=T, variant=name, ctas=ctas, us=round(us, 2)))
@@ -170,7 +169,7 @@ def run(args) -> None:
         print_table(rows)
         plot(rows, os.path.join(args.out, PNG_NAME))
     if run_ours:
-        ws_timeouts = sum(ws.check_status() for ws in arn._WORKSPACES.values())
+        ws_timeouts = sum(ws.check_status() for ws in _WORKSPACES.values())
         if ws_timeouts:
             print(f"# rank {rank}: {ws_timeouts} barrier timeouts recorded!", flush=True)
     dist.barrier()
@@ -191,8 +190,8 @@ def _explore_warps(arn, dist, group_name, dev, rank, world, dtype, args) -> None
                 line = []
                 for w in (None, 4, 8, 16, 32):
                     us = timer(lambda: arn.fused_allreduce_rmsnorm_symm(
-                        x, res, None, weight, eps=EPS, group_name=group_name, num_ctas=c,
-                        variant="p2p", residual_in_sharded=True, residual_out_sharded=True,
+                        x, res, None, weight, eps=EPS, group_name=group_name, comm_ctas=c,
+                        kernel="p2p", residual_in_sharded=True, residual_out_sharded=True,
                         num_warps=w), iters_for(T, H))
                     line.append(f"w{w or 'auto'}={us:7.1f}")
                 if rank == 0:
@@ -200,10 +199,9 @@ def _explore_warps(arn, dist, group_name, dev, rank, world, dtype, args) -> None
 
 
 def _import_kernel_module():
-    # The package must be installed (pip install -e .): kernels/ installs as weave_compile.kernels.
-    from weave_compile.kernels import symm_mem_allreduce_rmsnorm
+    from weave_compile import kernels
 
-    return symm_mem_allreduce_rmsnorm
+    return kernels
 
 
 def _sanity_check(arn, dist, group_name, T, H, weight, dev, rank):
@@ -215,9 +213,8 @@ def _sanity_check(arn, dist, group_name, T, H, weight, dev, rank):
     y = x.clone()
     dist.all_reduce(y)
     n2, r2 = add_rmsnorm(y, residual, weight)
-    for variant in ("p2p", "p2p_ce", "p2p_pull"):
-        n1, r1 = arn.fused_allreduce_rmsnorm_symm(x, residual, None, weight, eps=EPS,
-                                                  group_name=group_name, variant=variant)
+    for variant, fn in (("p2p", arn.fused_allreduce_rmsnorm_symm), ("p2p_pull", p2p_pull)):
+        n1, r1 = fn(x, residual, None, weight, eps=EPS, group_name=group_name)
         d = torch.tensor([(n1.float() - n2.float()).abs().max().item(),
                           (r1.float() - r2.float()).abs().max().item()], device=dev)
         dist.all_reduce(d, op=dist.ReduceOp.MAX)
@@ -325,8 +322,6 @@ def main() -> None:
     ap.add_argument("--mode", choices=["graph", "eager"], default="graph",
                     help="time CUDA-graph replays (GPU time) or eager launches (default graph)")
     ap.add_argument("--full-ctas", type=int, nargs="+", default=[8, 32])
-    ap.add_argument("--ce-ctas", type=int, nargs="+", default=[2, 8, 32],
-                    help="CTAs of the copy-engine variant's local add+norm kernel")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--check-tokens", type=int, default=1024,

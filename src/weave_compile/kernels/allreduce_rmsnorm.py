@@ -176,7 +176,7 @@ def select_kernel(
     if device.type != "cuda":
         return "reference", f"{device.type} tensors: only the collective-based reference runs there"
     try:
-        from . import symm_mem_allreduce_rmsnorm as symm
+        from weave_compile import kernels as symm
     except Exception as e:  # triton or symmetric memory unavailable
         return "reference", f"symmetric-memory kernels unavailable ({type(e).__name__}: {e})"
     variant, reason = symm.select_symm_variant(group_name, device, dtypes[0], hidden)
@@ -235,7 +235,7 @@ def allreduce_add_rmsnorm(
         raise ValueError("weave::allreduce_add_rmsnorm: the symmetric-memory kernels take no scale")
     if kernel == "oneshot" and x.is_cuda:
         from . import oneshot
-        from .symm_mem_allreduce_rmsnorm import SymmCapacityError
+        from .workspace import SymmCapacityError
 
         hidden = x.shape[-1]
         try:
@@ -250,7 +250,7 @@ def allreduce_add_rmsnorm(
         else:
             return normed.reshape(x.shape), (residual_out if residual_out_sharded else residual_out.reshape(x.shape))
     elif kernel in ("p2p", "multimem") and x.is_cuda:
-        from . import symm_mem_allreduce_rmsnorm as symm
+        from weave_compile import kernels as symm
 
         hidden = x.shape[-1]
         try:
@@ -261,7 +261,7 @@ def allreduce_add_rmsnorm(
                 None if weight is None else weight.reshape(hidden),
                 eps=eps, group_name=group_name, residual_dtype=residual_dtype, out_dtype=out_dtype,
                 mid_dtype=mid_dtype, weight_offset=weight_offset, residual_in_sharded=residual_in_sharded,
-                residual_out_sharded=residual_out_sharded, num_ctas=comm_ctas, variant=kernel,
+                residual_out_sharded=residual_out_sharded, comm_ctas=comm_ctas, kernel=kernel,
             )
         except symm.SymmCapacityError as e:
             # The workspace cannot grow inside CUDA-graph capture: the collective path can.

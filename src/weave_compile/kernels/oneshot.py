@@ -87,14 +87,13 @@ from typing import Any, Optional
 
 import torch
 
-from .symm_mem_allreduce_rmsnorm import (
-    _HAS_TRITON, SymmCapacityError, _interpreting, _launch_meta, _spin_limit, _tl_dtype, check_hidden)
+from .common import HAS_TRITON, spin_limit, tl, tl_dtype, triton
+from .launch import launch_meta
+from .rownorm import add_norm, norm_params
+from .select import check_hidden
+from .workspace import SymmCapacityError
 
 log = logging.getLogger(__name__)
-
-if _HAS_TRITON:
-    import triton
-    import triton.language as tl
 
 #: Provisional crossover (2x H200 data, benchmarks/NOTES.md "One-shot"): ``kernel="auto"`` picks
 #: the one-shot kernel when a static token count's message ``T * H * itemsize`` is at most this.
@@ -114,7 +113,7 @@ def sentinel_tensor(dtype: torch.dtype) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- kernel
 
-if _HAS_TRITON:
+if HAS_TRITON:
 
     @triton.jit
     def _unsentinel(v, BITS: tl.constexpr, SENT: tl.constexpr):
@@ -240,10 +239,7 @@ if _HAS_TRITON:
             i0 += step
 
         # 4. wait for every peer's rows in our own slot, reduce in rank order, add, norm.
-        if HAS_BIAS:
-            bias = tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)
-        if HAS_WEIGHT:
-            w = tl.load(WEIGHT + cols, mask=col_ok, other=0.0).to(tl.float32) + weight_offset
+        bias, w = norm_params(BIAS, WEIGHT, cols, col_ok, weight_offset, HAS_BIAS, HAS_WEIGHT)
         timeouts = tl.zeros((), dtype=tl.int32)
         slot_base = own_base + slot * slot_bytes
         i0 = pid * BLOCK_ROWS
@@ -262,38 +258,35 @@ if _HAS_TRITON:
                     v, t = _wait_load(src + elem, m, IN_BITS, IN_SENT, SPIN_LIMIT)
                     acc += v.to(tl.float32)
                     timeouts += t
-            if HAS_BIAS:
-                acc = acc + bias[None, :]
             own = (rows >= own_lo) & (rows < own_lo + rows_per_rank)
-            not_own = (rows < own_lo) | (rows >= own_lo + rows_per_rank)
-            if HAS_RESIDUAL:
-                if RESIDUAL_IN_SHARDED:
-                    mo = (own & row_ok)[:, None] & col_ok[None, :]
-                    r_own = tl.load(RESIDUAL + (rows - own_lo)[:, None] * stride_res_row + cols[None, :],
-                                    mask=mo, other=0.0).to(tl.float32)
-                    mp = (not_own & row_ok)[:, None] & col_ok[None, :]
-                    rsrc = tl.multiple_of((slot_base + res_off).to(tl.pointer_type(RIN_DTYPE)), 16)
-                    r_peer, t = _wait_load(rsrc + elem, mp, RIN_BITS, RIN_SENT, SPIN_LIMIT)
-                    timeouts += t
-                    acc = acc + tl.where(own[:, None], r_own, r_peer.to(tl.float32))
-                else:
-                    acc = acc + tl.load(RESIDUAL + rows[:, None] * stride_res_row + cols[None, :], mask=m,
-                                        other=0.0).to(tl.float32)
-            res = acc.to(RES_DTYPE)
+            if PUSH_RES:
+                # Our rows' residual is local, the others' came with the peers' pushes; added
+                # after the bias, as the shared body does.
+                not_own = (rows < own_lo) | (rows >= own_lo + rows_per_rank)
+                mo = (own & row_ok)[:, None] & col_ok[None, :]
+                r_own = tl.load(RESIDUAL + (rows - own_lo)[:, None] * stride_res_row + cols[None, :],
+                                mask=mo, other=0.0).to(tl.float32)
+                mp = (not_own & row_ok)[:, None] & col_ok[None, :]
+                rsrc = tl.multiple_of((slot_base + res_off).to(tl.pointer_type(RIN_DTYPE)), 16)
+                r_peer, t = _wait_load(rsrc + elem, mp, RIN_BITS, RIN_SENT, SPIN_LIMIT)
+                timeouts += t
+                if HAS_BIAS:
+                    acc = acc + bias[None, :]
+                acc = acc + tl.where(own[:, None], r_own, r_peer.to(tl.float32))
+                res, normed = add_norm(acc, rows, rows, m, cols, RESIDUAL, stride_res_row, bias, w, eps,
+                                       HIDDEN, RES_DTYPE, OUT_DTYPE, MID_DTYPE, False, False, HAS_WEIGHT,
+                                       HAS_MID, False)
+            else:
+                res, normed = add_norm(acc, rows, rows, m, cols, RESIDUAL, stride_res_row, bias, w, eps,
+                                       HIDDEN, RES_DTYPE, OUT_DTYPE, MID_DTYPE, HAS_BIAS, HAS_RESIDUAL,
+                                       HAS_WEIGHT, HAS_MID, False)
             if RESIDUAL_OUT_SHARDED:
                 ms = own[:, None] & col_ok[None, :]
                 tl.store(RESIDUAL_OUT + (rows - own_lo)[:, None] * stride_res_out_row + cols[None, :],
                          tl.where(m, res, tl.zeros_like(res)), mask=ms)
             else:
                 tl.store(RESIDUAL_OUT + rows[:, None] * stride_res_out_row + cols[None, :], res, mask=m)
-            r = res.to(tl.float32)
-            var = tl.sum(r * r, axis=1) / HIDDEN
-            y = r * tl.rsqrt(var + eps)[:, None]
-            if HAS_MID:
-                y = y.to(MID_DTYPE).to(tl.float32)
-            if HAS_WEIGHT:
-                y = y * w[None, :]
-            tl.store(NORMED + rows[:, None] * stride_out_row + cols[None, :], y.to(OUT_DTYPE), mask=m)
+            tl.store(NORMED + rows[:, None] * stride_out_row + cols[None, :], normed, mask=m)
             i0 += step
         if timeouts > 0:
             tl.atomic_add(STATE + 5, timeouts)
@@ -403,7 +396,7 @@ def _allocate(group_name: str, device: torch.device, hidden: int, in_dtype: torc
     import torch.distributed._symmetric_memory as symm_mem
     import torch.distributed.distributed_c10d as c10d
 
-    from .symm_mem_allreduce_rmsnorm import _ensure_group_enabled
+    from .workspace import _ensure_group_enabled
 
     _ensure_group_enabled(group_name)
     pg = c10d._resolve_process_group(group_name)
@@ -491,7 +484,7 @@ def launch(ws: OneShotWorkspace, x: torch.Tensor, residual: Optional[torch.Tenso
     rin_dtype = residual.dtype if residual is not None else x.dtype
     if residual is not None and residual_in_sharded and rin_dtype != ws.res_dtype:
         raise ValueError(f"workspace residual dtype {ws.res_dtype} != residual {rin_dtype}")
-    meta = _launch_meta(H, S * N, num_ctas)
+    meta = launch_meta(H, S * N, num_ctas)
     dummy = ws.state
     _oneshot_allreduce_rmsnorm_kernel[(meta.grid,)](
         ws.ptr_table, ws.state, x,
@@ -503,14 +496,14 @@ def launch(ws: OneShotWorkspace, x: torch.Tensor, residual: Optional[torch.Tenso
         x.stride(0), residual.stride(0) if residual is not None else 0, normed.stride(0), residual_out.stride(0),
         float(eps), float(weight_offset),
         WORLD_SIZE=N, HIDDEN=H, BLOCK_H=meta.block_h, BLOCK_ROWS=meta.block_rows,
-        IN_DTYPE=_tl_dtype(x.dtype), IN_BITS=_tl_int(x.dtype), IN_SENT=SENTINEL[x.dtype],
-        RIN_DTYPE=_tl_dtype(ws.res_dtype), RIN_BITS=_tl_int(ws.res_dtype), RIN_SENT=SENTINEL[ws.res_dtype],
-        OUT_DTYPE=_tl_dtype(normed.dtype), RES_DTYPE=_tl_dtype(residual_out.dtype),
-        MID_DTYPE=_tl_dtype(mid_dtype if mid_dtype is not None else torch.float32),
+        IN_DTYPE=tl_dtype(x.dtype), IN_BITS=_tl_int(x.dtype), IN_SENT=SENTINEL[x.dtype],
+        RIN_DTYPE=tl_dtype(ws.res_dtype), RIN_BITS=_tl_int(ws.res_dtype), RIN_SENT=SENTINEL[ws.res_dtype],
+        OUT_DTYPE=tl_dtype(normed.dtype), RES_DTYPE=tl_dtype(residual_out.dtype),
+        MID_DTYPE=tl_dtype(mid_dtype if mid_dtype is not None else torch.float32),
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
         HAS_MID=mid_dtype is not None, RESIDUAL_IN_SHARDED=residual_in_sharded,
         RESIDUAL_OUT_SHARDED=residual_out_sharded,
-        PUSH_RES=residual is not None and residual_in_sharded, SPIN_LIMIT=_spin_limit(),
+        PUSH_RES=residual is not None and residual_in_sharded, SPIN_LIMIT=spin_limit(),
         num_warps=meta.num_warps, num_stages=1)
 
 
@@ -526,7 +519,7 @@ def oneshot_allreduce_rmsnorm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused op's contract on 2-D ``x`` [T, H]; fresh outputs. Raises
     :class:`SymmCapacityError` during capture when no large-enough workspace was reserved."""
-    if not _HAS_TRITON:
+    if not HAS_TRITON:
         raise RuntimeError("triton is not available")
     T, H = x.shape
     why = check_hidden(H, [x.dtype, residual_dtype, out_dtype] + ([residual.dtype] if residual is not None else []))

@@ -313,7 +313,7 @@ def _reserve_workspace(group: str, tx: torch.Tensor, residual_dtype: torch.dtype
     mode="reduce-overhead" (which rejects live allocations it does not own). Collective: every
     rank compiles the same graph.
     """
-    from weave_compile.kernels import symm_mem_allreduce_rmsnorm as symm
+    from weave_compile import kernels as symm
 
     rows = 1
     for d in tx.shape[:-1]:

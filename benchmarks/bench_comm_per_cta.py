@@ -1,0 +1,178 @@
+"""Per-CTA bandwidth of each SM phase of the push kernel, on ONE GPU with emulated ranks.
+
+    python benchmarks/bench_comm_per_cta.py --out benchmarks/results
+
+Two ranks are emulated in one process (``weave_compile.testing.emulated_ranks``): each rank's
+buffers and signal pad are ordinary allocations, each rank's launch runs on its own stream, all
+grids resident at once, the kernel's real barriers between them.  **A peer here is local HBM,
+not NVLink**: these are the bytes one SM can move with the bytes it keeps in flight, an upper
+bound for the NVLink case (higher latency needs more in flight still).
+
+Phases are isolated by the kernel's ``PHASES`` constexpr (1 scatter, 2 reduce+norm, 4 gather;
+7 all; 0 = the three block barriers alone): a run that keeps one phase still runs all three
+barriers, so each phase's time includes them (the ``barriers`` rows show how much).  Bytes per
+rank are counted as read + written (bf16, H columns, S rows per rank, N ranks):
+
+* scatter: (N-1) shards read from x, written to the peers: ``2 (N-1) S H 2``;
+* reduce+norm: reads x, N-1 partials, the residual; writes the residual (local, and to N-1
+  peers unless sharded) and the normed rows (local and to N-1 peers);
+* gather: N-1 peers' normed (and residual, unless sharded) rows read and written.
+
+``gbps_per_cta`` = bytes / time / CTAs of one rank.  Designs: ``push`` (today's launch shape:
+``tl.range`` pipelines, :func:`weave_compile.kernels.launch.push_meta`) and ``push_v1`` (the
+same kernel with the first push kernel's launch shape: the pull kernel's rows per iteration,
+no software pipelining, :func:`push_v1_meta`).  Residual layout: sharded in and out (what a
+compiled model runs between fused sites) unless ``--full-residual``.  CUDA-graph replays of
+back-to-back calls (``benchmarks/common.py``'s Timer), median of repeats.
+Target (issue 11): every SM phase >= 80 GB/s per CTA at 8 CTAs, H=4096, 4096 rows per rank.
+Writes ``comm_per_cta.csv`` and ``comm_per_cta.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import RESULTS, Timer, meta as run_meta, write_csv  # noqa: E402  (multicast off)
+
+import torch  # noqa: E402
+
+# A barrier that never completes becomes a counted timeout (reported below), not a hang.
+os.environ.setdefault("WEAVE_SYMM_SPIN_LIMIT", str(1 << 24))
+
+COLUMNS = ["gpu", "torch", "triton", "git_commit", "date", "design", "phase", "ctas", "rows_per_rank",
+           "hidden", "world_size", "residual", "block_rows", "copy_stages", "norm_stages", "bytes",
+           "us", "gbps_per_cta"]
+PHASES = {"scatter": 1, "reduce_norm": 2, "gather": 4, "all": 7, "barriers": 0}
+TARGET = 80.0
+
+
+def phase_bytes(phase: str, N: int, S: int, H: int, elem: int, sharded: bool) -> int:
+    tile = S * H * elem
+    scatter = 2 * (N - 1) * tile
+    reduce_norm = (N + 1) * tile + (1 + (0 if sharded else N - 1) + N) * tile
+    gather = (N - 1) * (2 if sharded else 4) * tile
+    return {"scatter": scatter, "reduce_norm": reduce_norm, "gather": gather,
+            "all": scatter + reduce_norm + gather, "barriers": 0}[phase]
+
+
+def run(args) -> list:
+    from weave_compile.kernels import launch
+    from weave_compile.testing.emulated_ranks import EmulatedRanks, push_allreduce_rmsnorm
+
+    N, S = args.world, args.rows
+    T = N * S
+    dt = torch.bfloat16
+    timer = Timer(args.repeats, args.warmup, graph=True)
+    meta = run_meta(torch.device("cuda"))
+    rows = []
+    for H in args.hidden:
+        ranks = EmulatedRanks.create(N, H, T, dtype=dt)
+        g = torch.Generator(device="cuda").manual_seed(H)
+        xs = [torch.randn(T, H, generator=g, device="cuda").to(dt) for _ in range(N)]
+        sharded = not args.full_residual
+        res = [torch.randn(S if sharded else T, H, generator=g, device="cuda").to(dt) for _ in range(N)]
+        weight = torch.randn(H, generator=g, device="cuda").to(dt)
+        outs = None
+        for design in args.designs:
+            for ctas in args.ctas:
+                m = (launch.push_meta(H, S, ctas, N, 2, 2) if design == "push"
+                     else launch.push_v1_meta(H, S, ctas))
+                for phase in args.phases:
+                    def call(m=m, phase=phase, ctas=ctas):
+                        nonlocal outs
+                        outs = push_allreduce_rmsnorm(
+                            ranks, xs, res, None, weight, residual_in_sharded=sharded,
+                            residual_out_sharded=sharded, comm_ctas=ctas, meta=m,
+                            phases=PHASES[phase], outputs=outs)
+
+                    us = timer(call, args.iters)
+                    nbytes = phase_bytes(phase, N, S, H, 2, sharded)
+                    gbps = nbytes / us / 1e3 / m.grid if nbytes else 0.0
+                    rows.append(dict(meta, design=design, phase=phase, ctas=m.grid, rows_per_rank=S,
+                                     hidden=H, world_size=N, residual="sharded" if sharded else "full",
+                                     block_rows=m.block_rows, copy_stages=m.copy_stages,
+                                     norm_stages=m.norm_stages, bytes=nbytes, us=round(us, 2),
+                                     gbps_per_cta=round(gbps, 1)))
+                    print(f"{design:8s} H={H:5d} ctas={m.grid:2d} rows={m.block_rows} "
+                          f"stages={m.copy_stages}/{m.norm_stages} {phase:12s} {us:9.1f} us "
+                          f"{gbps:7.1f} GB/s/CTA", flush=True)
+                    write_csv(os.path.join(args.out, "comm_per_cta.csv"), rows, COLUMNS)
+        timeouts, pads = ranks.barrier_state()
+        if timeouts or pads:
+            print(f"# H={H}: {timeouts} barrier timeouts, {pads} pad slots not reset!", flush=True)
+        del ranks, xs, res
+    return rows
+
+
+def plot(rows, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        print(f"# matplotlib unavailable ({e}); no plot")
+        return
+    hs = sorted({int(r["hidden"]) for r in rows})
+    fig, axes = plt.subplots(1, len(hs), figsize=(6.5 * len(hs), 4.5), squeeze=False)
+    colors = {"scatter": "tab:blue", "reduce_norm": "tab:red", "gather": "tab:green", "all": "k"}
+    for ax, H in zip(axes[0], hs):
+        for (design, phase) in dict.fromkeys((r["design"], r["phase"]) for r in rows):
+            if phase == "barriers":
+                continue
+            pts = sorted((int(r["ctas"]), float(r["gbps_per_cta"])) for r in rows
+                         if int(r["hidden"]) == H and r["design"] == design and r["phase"] == phase)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o" if design == "push" else ":x",
+                        color=colors.get(phase, "gray"), label=f"{design} {phase}")
+        ax.axhline(TARGET, color="gray", lw=0.8, ls="--", label=f"target {TARGET:.0f} GB/s/CTA")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("CTAs per rank")
+        ax.set_ylabel("GB/s per CTA (read + written)")
+        r0 = rows[0]
+        ax.set_title(f"H={H}, {r0['rows_per_rank']} rows/rank, {r0['world_size']} emulated ranks "
+                     f"(local HBM)\n{r0['gpu']}, commit {r0['git_commit']}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"# wrote {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, nargs="+", default=[4096, 8192])
+    ap.add_argument("--rows", type=int, default=4096, help="rows per rank")
+    ap.add_argument("--world", type=int, default=2, help="emulated ranks")
+    ap.add_argument("--ctas", type=int, nargs="+", default=[2, 4, 8, 16, 32])
+    ap.add_argument("--designs", nargs="+", default=["push", "push_v1"], choices=["push", "push_v1"])
+    ap.add_argument("--phases", nargs="+", default=list(PHASES), choices=list(PHASES))
+    ap.add_argument("--full-residual", action="store_true", help="residual in and out [T, H]")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--plot-only", metavar="CSV", help="redraw the plot from a CSV")
+    args = ap.parse_args()
+    if args.plot_only:
+        with open(args.plot_only) as f:
+            rows = list(csv.DictReader(f))
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("needs a CUDA GPU")
+        rows = run(args)
+    plot(rows, os.path.join(args.out, "comm_per_cta.png"))
+    best = {}
+    for r in rows:
+        if int(r["hidden"]) == 4096 and int(r["ctas"]) == 8 and r["phase"] in ("scatter", "reduce_norm", "gather"):
+            best.setdefault(r["design"], []).append(f"{r['phase']} {float(r['gbps_per_cta']):.1f}")
+    for design, items in best.items():
+        print(f"# H=4096, 8 CTAs, {design}: " + ", ".join(items) + f" GB/s/CTA (target >= {TARGET:.0f})")
+
+
+if __name__ == "__main__":
+    main()

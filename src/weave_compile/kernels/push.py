@@ -1,0 +1,155 @@
+"""The push kernel (``p2p``): every cross-rank access is a store, with deep memory-level parallelism.
+
+With ``N`` ranks and ``T`` rows padded to ``S * N`` (``S = ceil(T / N)``), rank ``r`` owns rows
+``[r*S, (r+1)*S) ∩ [0, T)``.  The symmetric regions are used as ``[N, slot_rows, H]``: slot
+``q`` of a rank's region holds what rank ``q`` pushed there.  Three phases, one block barrier
+(:mod:`.sync`) before each (not one per row):
+
+1. *scatter*: our partial sums of owner ``p``'s rows -> slot ``[r]`` of ``p``'s input region;
+2. *reduce + norm*: our rows = our own partial + the N-1 partials peers pushed into our input
+   slots; the shared add + RMSNorm body (:mod:`.rownorm`); the results go to our outputs and
+   are pushed into slot ``[r]`` of every peer's output (and residual) region;
+3. *gather*: copy the rows peers pushed into our output slots to the outputs.
+
+``x`` is read where it is and the outputs are written where they will live: no staging copy,
+no copy-out of our own rows.  CTA ``b`` handles the same shard-local rows ``j`` in every phase
+and for every owner, so the CTA-pairwise barriers order exactly the rows each pair exchanges.
+The barrier before phase 1 also says every peer finished its previous launch on this channel
+(its phase 2 read our earlier pushes, its phase 3 our earlier output pushes).
+
+Bytes in flight, not the hardware, set the bandwidth one SM reaches (DESIGN.md section 6: one
+8 KB row in flight per CTA moves 34-39 GB/s, four rows 86-91 GB/s).  So every phase's row loop
+is a ``tl.range`` software pipeline (``COPY_STAGES`` for the copy phases, ``NORM_STAGES`` for
+the add+norm phase, whose loads are staged in shared memory by Triton's pipeliner) over tiles
+of ``BLOCK_ROWS`` rows: several tiles' loads are in flight while one is stored, so few CTAs
+carry the traffic.  :func:`weave_compile.kernels.launch.push_meta` picks the shape.
+
+``PHASES`` (bitmask 1|2|4) and ``SYNC`` are measurement and simulation hooks: the per-CTA
+benchmark leaves phases out (barriers kept, so the pads still pair up), and the one-process CPU
+simulation runs one phase of every rank at a time without barriers (the host orders them).
+"""
+
+from __future__ import annotations
+
+from .common import HAS_TRITON, tl, triton
+
+if HAS_TRITON:
+    from .rownorm import add_norm, norm_params, shard_rows, store_residual_shard
+    from .sync import block_barrier
+
+    @triton.jit
+    def _region(PTR_TABLE, KIND: tl.constexpr, owner, DTYPE: tl.constexpr,
+                WORLD_SIZE: tl.constexpr):
+        """Base of ``owner``'s region ``KIND`` (0 in, 1 out, 2 res), 16-byte aligned (say so,
+        or every access is scalar)."""
+        ptr = tl.load(PTR_TABLE + KIND * WORLD_SIZE + owner).to(tl.pointer_type(DTYPE))
+        return tl.multiple_of(ptr, 16)
+
+    @triton.jit
+    def _copy_phase(SRC, stride_src, src_owner_rows: tl.constexpr, DST, stride_dst,
+                    dst_owner_rows: tl.constexpr, src_base_row, dst_base_row, owner, pid, step,
+                    rows_per_rank, num_tokens, cols, col_ok, BLOCK_ROWS: tl.constexpr,
+                    STAGES: tl.constexpr):
+        """Copy ``owner``'s shard rows of this CTA: row ``j`` of ``SRC`` -> row ``j`` of ``DST``.
+
+        A side indexed by global rows (``*_owner_rows`` false) is addressed at ``owner * S +
+        j``; a slot side at ``*_base_row + j``."""
+        for j0 in tl.range(pid * BLOCK_ROWS, rows_per_rank, step, num_stages=STAGES):
+            j, rows, ok = shard_rows(j0, BLOCK_ROWS, owner, rows_per_rank, num_tokens)
+            m = ok[:, None] & col_ok[None, :]
+            if src_owner_rows:
+                s_row = rows
+            else:
+                s_row = src_base_row + j
+            if dst_owner_rows:
+                d_row = rows
+            else:
+                d_row = dst_base_row + j
+            v = tl.load(SRC + s_row[:, None] * stride_src + cols[None, :], mask=m)
+            tl.store(DST + d_row[:, None] * stride_dst + cols[None, :], v, mask=m)
+
+    @triton.jit(do_not_specialize=["num_tokens", "rows_per_rank", "slot_rows", "rank", "pad_offset"])
+    def push_allreduce_rmsnorm_kernel(
+        PTR_TABLE,  # *i64: in[N], out[N], res[N], pad[N] addresses (regions used as [N, slot_rows, H])
+        X,  # this rank's partial sums [T, H], any (non-symmetric) memory
+        RESIDUAL,  # [T, H] or this rank's shard [S, H]
+        BIAS, WEIGHT,  # [H]
+        NORMED,  # [T, H] output, regular memory
+        RESIDUAL_OUT,  # [T, H] or this rank's shard [S, H], regular memory
+        STATUS,  # *i32 [1]: barrier timeouts
+        num_tokens, rows_per_rank, slot_rows, rank, pad_offset,  # T, S, capacity / N, r, slot
+        stride_x_row, stride_res_row, stride_out_row, stride_res_out_row, eps, weight_offset,
+        WORLD_SIZE: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_ROWS: tl.constexpr, COPY_STAGES: tl.constexpr, NORM_STAGES: tl.constexpr,
+        IN_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, RES_DTYPE: tl.constexpr,
+        MID_DTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+        HAS_WEIGHT: tl.constexpr, HAS_MID: tl.constexpr, RESIDUAL_IN_SHARDED: tl.constexpr,
+        RESIDUAL_OUT_SHARDED: tl.constexpr, SPIN_LIMIT: tl.constexpr, FENCE_ASM: tl.constexpr,
+        PHASES: tl.constexpr = 7, SYNC: tl.constexpr = True,
+    ):
+        pid = tl.program_id(0)
+        step = tl.num_programs(0) * BLOCK_ROWS
+        cols = tl.arange(0, BLOCK_H)
+        col_ok = cols < HIDDEN
+        in_base = _region(PTR_TABLE, 0, rank, IN_DTYPE, WORLD_SIZE)
+
+        # Entry: every peer finished its previous launch on this channel.
+        if SYNC:
+            block_barrier(PTR_TABLE, STATUS, rank, pad_offset, WORLD_SIZE, SPIN_LIMIT, FENCE_ASM)
+        # 1. scatter: our partial of owner p's rows -> slot [rank] of p's input region.
+        if PHASES & 1:
+            for p in tl.static_range(WORLD_SIZE):
+                if p != rank:
+                    _copy_phase(X, stride_x_row, True, _region(PTR_TABLE, 0, p, IN_DTYPE, WORLD_SIZE),
+                                HIDDEN, False, 0, rank * slot_rows, p, pid, step, rows_per_rank,
+                                num_tokens, cols, col_ok, BLOCK_ROWS, COPY_STAGES)
+        if SYNC:
+            block_barrier(PTR_TABLE, STATUS, rank, pad_offset, WORLD_SIZE, SPIN_LIMIT, FENCE_ASM)
+
+        # 2. reduce our rows locally, add, norm; keep our rows, push them to every peer.
+        if PHASES & 2:
+            bias, w = norm_params(BIAS, WEIGHT, cols, col_ok, weight_offset, HAS_BIAS, HAS_WEIGHT)
+            for j0 in tl.range(pid * BLOCK_ROWS, rows_per_rank, step, num_stages=NORM_STAGES):
+                j, rows, ok = shard_rows(j0, BLOCK_ROWS, rank, rows_per_rank, num_tokens)
+                m = ok[:, None] & col_ok[None, :]
+                acc = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=m,
+                              other=0.0).to(tl.float32)
+                for p in tl.static_range(WORLD_SIZE):
+                    if p != rank:
+                        acc += tl.load(in_base + (p * slot_rows + j)[:, None] * HIDDEN + cols[None, :],
+                                       mask=m, other=0.0).to(tl.float32)
+                res, normed = add_norm(acc, j, rows, m, cols, RESIDUAL, stride_res_row, bias, w, eps,
+                                       HIDDEN, RES_DTYPE, OUT_DTYPE, MID_DTYPE, HAS_BIAS,
+                                       HAS_RESIDUAL, HAS_WEIGHT, HAS_MID, RESIDUAL_IN_SHARDED)
+                slot = (rank * slot_rows + j)[:, None] * HIDDEN + cols[None, :]
+                if RESIDUAL_OUT_SHARDED:
+                    store_residual_shard(RESIDUAL_OUT, j, res, m, col_ok, cols, rows_per_rank,
+                                         stride_res_out_row)
+                else:
+                    tl.store(RESIDUAL_OUT + rows[:, None] * stride_res_out_row + cols[None, :], res,
+                             mask=m)
+                    for p in tl.static_range(WORLD_SIZE):
+                        if p != rank:
+                            tl.store(_region(PTR_TABLE, 2, p, RES_DTYPE, WORLD_SIZE) + slot, res, mask=m)
+                tl.store(NORMED + rows[:, None] * stride_out_row + cols[None, :], normed, mask=m)
+                for p in tl.static_range(WORLD_SIZE):
+                    if p != rank:
+                        tl.store(_region(PTR_TABLE, 1, p, OUT_DTYPE, WORLD_SIZE) + slot, normed, mask=m)
+        if SYNC:
+            block_barrier(PTR_TABLE, STATUS, rank, pad_offset, WORLD_SIZE, SPIN_LIMIT, FENCE_ASM)
+
+        # 3. gather: the peers pushed their rows into our slots; copy them to the outputs.
+        if PHASES & 4:
+            out_base = _region(PTR_TABLE, 1, rank, OUT_DTYPE, WORLD_SIZE)
+            res_base = _region(PTR_TABLE, 2, rank, RES_DTYPE, WORLD_SIZE)
+            for p in tl.static_range(WORLD_SIZE):
+                if p != rank:
+                    _copy_phase(out_base, HIDDEN, False, NORMED, stride_out_row, True, p * slot_rows,
+                                0, p, pid, step, rows_per_rank, num_tokens, cols, col_ok,
+                                BLOCK_ROWS, COPY_STAGES)
+                    if not RESIDUAL_OUT_SHARDED:
+                        _copy_phase(res_base, HIDDEN, False, RESIDUAL_OUT, stride_res_out_row, True,
+                                    p * slot_rows, 0, p, pid, step, rows_per_rank, num_tokens, cols,
+                                    col_ok, BLOCK_ROWS, COPY_STAGES)
+else:  # pragma: no cover
+    push_allreduce_rmsnorm_kernel = None

@@ -1,0 +1,72 @@
+"""The one add + RMSNorm device body every all-reduce kernel of this package runs on its rows.
+
+Given the fp32 all-reduced sum of a [BLOCK_ROWS, BLOCK_H] tile, :func:`add_norm` adds the bias
+and the residual, rounds to the residual dtype (that rounded value *is* the new residual, as
+in the unfused model), RMS-normalises in fp32 registers, optionally rounds to ``MID_DTYPE``
+(Hugging Face Llama normalises in fp32 and casts before the weight) and applies the weight
+(``weight + weight_offset``: Gemma's ``1 + w``).  Keeping one body means the push and pull
+kernels cannot drift apart numerically.
+"""
+
+from __future__ import annotations
+
+from .common import HAS_TRITON, tl, triton
+
+if HAS_TRITON:
+
+    @triton.jit
+    def shard_rows(j0, BLOCK_ROWS: tl.constexpr, owner, rows_per_rank, num_tokens):
+        """Shard-local indices ``j`` and global rows of ``owner``'s shard, with validity
+        (rows past the shard or past T are masked: padded rows are never read)."""
+        j = j0 + tl.arange(0, BLOCK_ROWS)
+        rows = (owner * rows_per_rank + j).to(tl.int64)
+        ok = (j < rows_per_rank) & (rows < num_tokens)
+        return j.to(tl.int64), rows, ok
+
+    @triton.jit
+    def norm_params(BIAS, WEIGHT, cols, col_ok, weight_offset, HAS_BIAS: tl.constexpr,
+                    HAS_WEIGHT: tl.constexpr):
+        """fp32 bias and ``weight + weight_offset`` rows (zeros where absent; then unused)."""
+        bias = tl.zeros(cols.shape, dtype=tl.float32)
+        w = tl.zeros(cols.shape, dtype=tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            w = tl.load(WEIGHT + cols, mask=col_ok, other=0.0).to(tl.float32) + weight_offset
+        return bias, w
+
+    @triton.jit
+    def add_norm(acc, j, rows, mask, cols, RESIDUAL, stride_res_row, bias, w, eps,
+                 HIDDEN: tl.constexpr, RES_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                 MID_DTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                 HAS_WEIGHT: tl.constexpr, HAS_MID: tl.constexpr,
+                 RESIDUAL_IN_SHARDED: tl.constexpr):
+        """``(residual_out, normed)`` of the reduced fp32 tile ``acc`` (see module doc).
+
+        ``j``/``rows``: shard-local and global row indices (a sharded residual is indexed
+        by ``j``); ``mask``: the valid [R, BLOCK_H] elements."""
+        if HAS_BIAS:
+            acc = acc + bias[None, :]
+        if HAS_RESIDUAL:
+            if RESIDUAL_IN_SHARDED:
+                r_off = j[:, None] * stride_res_row + cols[None, :]
+            else:
+                r_off = rows[:, None] * stride_res_row + cols[None, :]
+            acc = acc + tl.load(RESIDUAL + r_off, mask=mask, other=0.0).to(tl.float32)
+        res = acc.to(RES_DTYPE)
+        r = res.to(tl.float32)
+        var = tl.sum(r * r, axis=1) / HIDDEN
+        y = r * tl.rsqrt(var + eps)[:, None]
+        if HAS_MID:
+            y = y.to(MID_DTYPE).to(tl.float32)
+        if HAS_WEIGHT:
+            y = y * w[None, :]
+        return res, y.to(OUT_DTYPE)
+
+    @triton.jit
+    def store_residual_shard(RESIDUAL_OUT, j, res, mask, col_ok, cols, rows_per_rank,
+                             stride_res_out_row):
+        """This rank's [S, H] residual shard: rows past T inside the shard are written as 0."""
+        tl.store(RESIDUAL_OUT + j[:, None] * stride_res_out_row + cols[None, :],
+                 tl.where(mask, res, tl.zeros_like(res)),
+                 mask=(j < rows_per_rank)[:, None] & col_ok[None, :])

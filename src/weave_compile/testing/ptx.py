@@ -1,0 +1,108 @@
+"""Measurement and verification hooks of the symmetric-memory kernels (not the product path).
+
+* :func:`compile_variant_ptx`: compile a kernel for ``cuda:sm_<arch>`` without a GPU (the
+  ``multimem`` kernel is verified this way only: it is never launched in this project);
+* :func:`p2p_pull`: the load-based kernel without multicast (peer loads instead of
+  ``multimem.ld_reduce``), kept to compare against the push kernel in tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from weave_compile.kernels import common, launch
+from weave_compile.kernels.pull import pull_allreduce_rmsnorm_kernel
+from weave_compile.kernels.push import push_allreduce_rmsnorm_kernel
+from weave_compile.kernels.select import check_hidden
+
+#: What :func:`compile_variant_ptx` compiles.
+PTX_KERNELS = ("p2p", "multimem", "p2p_pull")
+
+
+def p2p_pull(x: torch.Tensor, residual=None, bias=None, weight=None, **kw):
+    """:func:`weave_compile.kernels.fused_allreduce_rmsnorm_symm` with the ``p2p_pull`` kernel
+    (same keywords, ``kernel`` excepted)."""
+    if not common.HAS_TRITON:
+        raise RuntimeError("triton is not available")
+    kw.setdefault("eps", 1e-6)
+    for k, v in (("residual_dtype", None), ("out_dtype", None), ("mid_dtype", None),
+                 ("weight_offset", 0.0), ("residual_in_sharded", False),
+                 ("residual_out_sharded", False), ("comm_ctas", common.DEFAULT_COMM_CTAS),
+                 ("channel", 0), ("num_warps", None)):
+        kw.setdefault(k, v)
+    return launch._fused(x, residual, bias, weight, kernel="p2p_pull", **kw)
+
+
+def compile_variant_ptx(kernel: str, dtype: torch.dtype, hidden: int,
+                        num_warps: Optional[int] = None, *, world_size: int = 2,
+                        out_dtype: Optional[torch.dtype] = None,
+                        residual_dtype: Optional[torch.dtype] = None,
+                        mid_dtype: Optional[torch.dtype] = None, has_bias: bool = True,
+                        has_residual: bool = True, has_weight: bool = True,
+                        residual_in_sharded: bool = False,
+                        residual_out_sharded: bool = False, block_rows: Optional[int] = None,
+                        spin_limit: int = 0, arch: int = 90, return_all: bool = False,
+                        rows_per_rank: int = 1 << 20, comm_ctas: int = common.DEFAULT_COMM_CTAS):
+    """Compile ``kernel`` (one of :data:`PTX_KERNELS`) for ``cuda:sm_<arch>`` and return its PTX.
+
+    Uses Triton's ``ASTSource`` + ``triton.compile(target=GPUTarget("cuda", arch, 32))``;
+    Triton's bundled ptxas also assembles the cubin, so a successful return means the inline
+    PTX (multimem) is accepted by ptxas for that architecture.  The launch shape is the one
+    the launcher would pick for ``rows_per_rank`` and ``comm_ctas``.  With ``return_all`` the
+    whole ``asm`` dict (ttir, ttgir, llir, ptx, cubin) is returned."""
+    if not common.HAS_TRITON:
+        raise RuntimeError("triton is not available")
+    if kernel not in PTX_KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; expected one of {PTX_KERNELS}")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    out_dtype = out_dtype or dtype
+    residual_dtype = residual_dtype or dtype
+    why = check_hidden(hidden, [dtype, out_dtype, residual_dtype])
+    if why:
+        raise ValueError(why)
+    flags = dict(world_size=world_size, hidden=hidden, in_dtype=dtype, out_dtype=out_dtype,
+                 res_dtype=residual_dtype, mid_dtype=mid_dtype, has_bias=has_bias,
+                 has_residual=has_residual, has_weight=has_weight,
+                 residual_in_sharded=residual_in_sharded,
+                 residual_out_sharded=residual_out_sharded, spin=spin_limit)
+    sig = common.sig_dtype
+    runtime_sig = {
+        "PTR_TABLE": "*i64", "RESIDUAL": sig(residual_dtype), "BIAS": sig(dtype),
+        "WEIGHT": sig(dtype), "RESIDUAL_OUT": sig(residual_dtype), "STATUS": "*i32",
+        "num_tokens": "i32", "rows_per_rank": "i32", "rank": "i32", "pad_offset": "i32",
+        "stride_res_row": "i32", "stride_res_out_row": "i32", "eps": "fp32",
+        "weight_offset": "fp32",
+    }
+    aligned = ["PTR_TABLE", "RESIDUAL", "BIAS", "WEIGHT", "RESIDUAL_OUT", "STATUS",
+               "stride_res_row", "stride_res_out_row"]
+    if kernel == "p2p":
+        fn = push_allreduce_rmsnorm_kernel
+        meta = launch.push_meta(hidden, rows_per_rank, comm_ctas, world_size, dtype.itemsize,
+                                residual_dtype.itemsize, num_warps)
+        if block_rows is not None:
+            meta = launch.LaunchMeta(meta.block_h, int(block_rows), meta.num_warps, meta.grid,
+                                     meta.copy_stages, meta.norm_stages)
+        consts = dict(launch.push_constexprs(meta, **flags), PHASES=7, SYNC=True)
+        runtime_sig.update(X=sig(dtype), NORMED=sig(out_dtype), slot_rows="i32",
+                           stride_x_row="i32", stride_out_row="i32")
+        aligned += ["X", "NORMED", "stride_x_row", "stride_out_row"]
+    else:
+        fn = pull_allreduce_rmsnorm_kernel
+        meta = launch.launch_meta(hidden, rows_per_rank, comm_ctas, num_warps)
+        consts = launch.pull_constexprs(kernel == "multimem", block_h=meta.block_h,
+                                        block_rows=int(block_rows or meta.block_rows), **flags)
+    signature = {name: (runtime_sig[name] if name in runtime_sig else "constexpr")
+                 for name in fn.arg_names}
+    # What the JIT would specialise at launch: 16-byte aligned pointers and strides.
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    src = ASTSource(fn, signature, constexprs=consts, attrs=attrs)
+    compiled = common.triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": meta.num_warps, "num_stages": 1})
+    if return_all:
+        return dict(compiled.asm, shared=compiled.metadata.shared)
+    return compiled.asm["ptx"]
+

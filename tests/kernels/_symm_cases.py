@@ -1,0 +1,182 @@
+"""Cases, inputs, the float64 reference and output checks shared by the kernel tests.
+
+Not a test module: ``tests/kernels/test_launch.py`` (multi-process CPU simulation, 2-GPU
+suites) and ``tests/kernels/test_push.py`` (emulated ranks on one GPU) import it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from weave_compile.kernels.allreduce_rmsnorm import allreduce_add_rmsnorm_ref
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DT_NAME = {v: k for k, v in DTYPES.items()}
+
+
+def make_case(T, H, dtype="bf16", *, res="full", bias=True, weight=True, mid=None, woff=0.0,
+              res_dtype=None, out_dtype=None, ctas=16, channel=0, seed=0):
+    """res: 'none' | 'full' | 'shard_in' | 'shard_out' | 'shard_both'."""
+    return dict(T=T, H=H, dtype=dtype, res=res, bias=bias, weight=weight, mid=mid, woff=woff,
+                res_dtype=res_dtype, out_dtype=out_dtype, ctas=ctas, channel=channel, seed=seed)
+
+
+def case_name(c) -> str:
+    parts = [f"T={c['T']}", f"H={c['H']}", c["dtype"], f"res={c['res']}"]
+    if not c["bias"]:
+        parts.append("nobias")
+    if not c["weight"]:
+        parts.append("noweight")
+    for k in ("mid", "res_dtype", "out_dtype"):
+        if c[k]:
+            parts.append(f"{k}={c[k]}")
+    if c["woff"]:
+        parts.append(f"woff={c['woff']}")
+    parts.append(f"ctas={c['ctas']}")
+    if c["channel"]:
+        parts.append(f"ch={c['channel']}")
+    return " ".join(parts)
+
+
+def make_inputs(c, world, device):
+    """Identical on every rank (same seed): all ranks' x, full residual, bias, weight."""
+    g = torch.Generator(device=device).manual_seed(int(c["seed"]))
+    T, H = c["T"], c["H"]
+    dt = DTYPES[c["dtype"]]
+    rdt = DTYPES[c["res_dtype"]] if c["res_dtype"] else dt
+
+    def rnd(*shape, dtype, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
+
+    xs = [rnd(T, H, dtype=dt) for _ in range(world)]
+    residual = rnd(T, H, dtype=rdt) if c["res"] != "none" else None
+    bias = rnd(H, dtype=dt, scale=0.5) if c["bias"] else None
+    weight = rnd(H, dtype=dt) if c["weight"] else None
+    return xs, residual, bias, weight
+
+
+def shard_rows(t, world, rank):
+    """This rank's [S, H] shard of a [T, H] tensor, rows beyond T zero."""
+    T, H = t.shape
+    S = math.ceil(T / world)
+    out = torch.zeros(S, H, dtype=t.dtype, device=t.device)
+    lo, hi = rank * S, min(T, (rank + 1) * S)
+    if hi > lo:
+        out[: hi - lo] = t[lo:hi]
+    return out
+
+
+def kernel_kwargs(c):
+    return dict(
+        eps=1e-6,
+        residual_dtype=DTYPES[c["res_dtype"]] if c["res_dtype"] else None,
+        out_dtype=DTYPES[c["out_dtype"]] if c["out_dtype"] else None,
+        mid_dtype=DTYPES[c["mid"]] if c["mid"] else None,
+        weight_offset=c["woff"],
+        residual_in_sharded=c["res"] in ("shard_in", "shard_both"),
+        residual_out_sharded=c["res"] in ("shard_out", "shard_both"),
+        comm_ctas=c["ctas"],
+        channel=c["channel"],
+    )
+
+
+def rows_ref(xs, residual=None, bias=None, weight=None, *, eps=1e-6, residual_dtype=None,
+             out_dtype=None, weight_offset=0.0):
+    """The float64 oracle's ``(normed, residual_out)`` rounded to the kernel's output dtypes
+    (the kernel normalises the residual rounded to its dtype: within the 16-bit tolerances)."""
+    dt = xs[0].dtype
+    residual_dtype = residual_dtype or (residual.dtype if residual is not None else dt)
+    n, r = allreduce_add_rmsnorm_ref(xs, residual, bias, weight, eps=eps,
+                                     weight_offset=weight_offset)
+    return n.to(out_dtype or dt), r.to(residual_dtype)
+
+
+def reference(c, xs, residual, bias, weight):
+    kw = kernel_kwargs(c)
+    return rows_ref(xs, residual, bias, weight, eps=kw["eps"],
+                    residual_dtype=kw["residual_dtype"], out_dtype=kw["out_dtype"],
+                    weight_offset=kw["weight_offset"])
+
+
+def _tol(dtype):
+    return (1e-4, 1e-4) if dtype == torch.float32 else (1.5e-2, 1.5e-2)
+
+
+def _excess(a, b):
+    """max(|a-b| - rtol*|b| - atol) <= 0 means close; also returns max |a-b|."""
+    rtol, atol = _tol(b.dtype)
+    a64, b64 = a.double(), b.double()
+    if a64.numel() == 0:
+        return 0.0, -1.0
+    diff = (a64 - b64).abs()
+    excess = (diff - rtol * b64.abs() - atol).max().item()
+    if not torch.isfinite(a64).all():
+        excess = float("inf")
+    return diff.max().item(), excess
+
+
+def check_outputs(c, world, rank, normed, res_out, ref_n, ref_r):
+    """Returns (ok, err_normed, err_residual, message)."""
+    T, H = c["T"], c["H"]
+    S = math.ceil(T / world)
+    msgs = []
+    if tuple(normed.shape) != (T, H) or normed.dtype != ref_n.dtype:
+        msgs.append(f"normed shape/dtype {tuple(normed.shape)}/{normed.dtype}")
+        return False, float("nan"), float("nan"), "; ".join(msgs)
+    en, xn = _excess(normed, ref_n)
+    if xn > 0:
+        msgs.append(f"normed mismatch (max err {en:.3g})")
+    if c["res"] in ("shard_out", "shard_both"):
+        if tuple(res_out.shape) != (S, H):
+            return False, en, float("nan"), f"residual shard shape {tuple(res_out.shape)}"
+        lo, hi = rank * S, min(T, (rank + 1) * S)
+        n = max(0, hi - lo)
+        er, xr = _excess(res_out[:n], ref_r[lo:hi])
+        if n < S and not torch.equal(res_out[n:], torch.zeros_like(res_out[n:])):
+            msgs.append("residual shard rows beyond T not zero")
+    else:
+        if tuple(res_out.shape) != (T, H):
+            return False, en, float("nan"), f"residual shape {tuple(res_out.shape)}"
+        er, xr = _excess(res_out, ref_r)
+    if xr > 0:
+        msgs.append(f"residual mismatch (max err {er:.3g})")
+    if res_out.dtype != ref_r.dtype:
+        msgs.append(f"residual dtype {res_out.dtype} != {ref_r.dtype}")
+    return not msgs, en, er, "; ".join(msgs)
+
+
+def spawn_ranks(fn, world, args, timeout):
+    """torch.multiprocessing spawn with a deadline: kill our children when it passes."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, args=(world,) + tuple(args), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.time() + timeout
+    while not ctx.join(timeout=2.0):
+        if time.time() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            raise TimeoutError(f"ranks did not finish within {timeout} s")
+
+
+def run_script(path, args, timeout, env=None):
+    """Run ``path`` as a script in its own session; kill the whole session on timeout."""
+    proc = subprocess.Popen([sys.executable, path] + list(args), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=env)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"timed out after {timeout} s:\n{out[-6000:]}")
+    return proc.returncode, out

@@ -1,0 +1,94 @@
+"""Tests for testing/emulated_ranks.py: pointer tables, and the push kernel through it on the CPU.
+
+Under ``TRITON_INTERPRET=1`` (a subprocess running this file as a script) the push kernel runs
+for 2 and 3 emulated ranks, one phase of every rank at a time, and is compared with the
+float64 oracle; outputs and regions are NaN-poisoned first.  The GPU runs (concurrent ranks,
+real barriers) are in tests/kernels/test_push.py.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+THIS_FILE = os.path.abspath(__file__)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(THIS_FILE))))  # script mode
+
+from tests.kernels._symm_cases import (DTYPES, case_name, check_outputs, make_case,  # noqa: E402
+                                       make_inputs, reference, run_script, shard_rows)
+from weave_compile.kernels import HAS_TRITON  # noqa: E402
+from weave_compile.testing.emulated_ranks import EmulatedRanks, push_allreduce_rmsnorm  # noqa: E402
+
+CASES = [
+    make_case(7, 64, "bf16", seed=1),
+    make_case(1, 64, "fp32", res="none", bias=False, seed=2),  # T < world
+    make_case(37, 32, "fp16", res="shard_both", mid="bf16", woff=1.0, ctas=4, seed=3),
+    make_case(40, 48, "fp32", out_dtype="bf16", res_dtype="fp32", res="shard_in", ctas=3, seed=4),
+    make_case(23, 64, "bf16", res="shard_out", weight=False, ctas=2, seed=5),
+]
+
+
+def test_pointer_tables_list_every_ranks_regions_and_pads():
+    ranks = EmulatedRanks.create(3, 16, 7, dtype=torch.bfloat16, residual_dtype=torch.float32,
+                                 device="cpu")
+    N = ranks.world_size
+    assert ranks.workspaces[0].capacity == 9  # padded to whole rows per rank
+    for ws in ranks.workspaces:
+        t = ws.ptr_table.tolist()
+        assert len(t) == 4 * N + 3 and t[4 * N:] == [0, 0, 0]  # no multicast, ever
+        for p, peer in enumerate(ranks.workspaces):
+            assert t[p] == peer.inp.data_ptr() and t[N + p] == peer.out.data_ptr()
+            assert t[2 * N + p] == peer.res.data_ptr() and t[3 * N + p] == ranks.pads[p].data_ptr()
+        assert torch.isnan(ws.inp).all() and ws.res.dtype == torch.float32
+    assert ranks.barrier_state() == (0, 0)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        ranks.run(lambda r, ws: None)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+@pytest.mark.parametrize("world", [2, 3])
+def test_push_kernel_through_emulated_ranks_in_cpu_interpreter(world):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    rc, out = run_script(THIS_FILE, ["--world", str(world)], timeout=600, env=env)
+    assert rc == 0, out[-8000:]
+    assert "EMULATED-PUSH OK" in out, out[-8000:]
+
+
+def _main(world: int) -> int:
+    torch.set_num_threads(1)
+    fails = 0
+    for c in CASES:
+        xs, residual, bias, weight = make_inputs(c, world, "cpu")
+        dt = xs[0].dtype
+        rdt = DTYPES[c["res_dtype"]] if c["res_dtype"] else dt
+        odt = DTYPES[c["out_dtype"]] if c["out_dtype"] else dt
+        in_sh, out_sh = c["res"] in ("shard_in", "shard_both"), c["res"] in ("shard_out", "shard_both")
+        ranks = EmulatedRanks.create(world, c["H"], c["T"], dtype=dt, out_dtype=odt,
+                                     residual_dtype=rdt, device="cpu")
+        S = math.ceil(c["T"] / world)
+        outputs = [(torch.full((c["T"], c["H"]), float("nan"), dtype=odt),
+                    torch.full((S if out_sh else c["T"], c["H"]), float("nan"), dtype=rdt))
+                   for _ in range(world)]
+        res_in = [None if residual is None else (shard_rows(residual, world, r) if in_sh else residual)
+                  for r in range(world)]
+        outs = push_allreduce_rmsnorm(ranks, xs, res_in, bias, weight, residual_out_sharded=out_sh,
+                                      residual_in_sharded=in_sh, comm_ctas=c["ctas"],
+                                      mid_dtype=DTYPES[c["mid"]] if c["mid"] else None,
+                                      weight_offset=c["woff"], outputs=outputs)
+        ref_n, ref_r = reference(c, xs, residual, bias, weight)
+        for r, (n, ro) in enumerate(outs):
+            ok, en, er, msg = check_outputs(c, world, r, n, ro, ref_n, ref_r)
+            print(f"[rank {r}] {case_name(c):60s} {'ok' if ok else 'FAIL'} {msg}", flush=True)
+            fails += not ok
+    print("EMULATED-PUSH OK" if fails == 0 else f"{fails} failures")
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("set TRITON_INTERPRET=1")
+    sys.exit(_main(int(sys.argv[sys.argv.index("--world") + 1]) if "--world" in sys.argv else 2))

@@ -1,0 +1,80 @@
+"""Tests for testing/ptx.py: every kernel compiles for sm_90 with Triton's bundled ptxas (no GPU).
+
+multimem PTX has ``multimem.ld_reduce``/``multimem.st`` (and is never launched: this is its
+only check), the p2p kernels have neither; the push kernel's accesses are 16-byte vectors and
+its row loops are software-pipelined (asynchronous copies into shared memory).
+"""
+
+import re
+
+import pytest
+import torch
+
+from weave_compile.kernels import HAS_TRITON
+from weave_compile.testing.ptx import compile_variant_ptx
+
+requires_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@requires_triton
+@pytest.mark.parametrize("kernel", ["p2p", "p2p_pull", "multimem"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_ptx_compiles_for_sm90(kernel, dtype):
+    asm = compile_variant_ptx(kernel, DTYPES[dtype], 4096, return_all=True)
+    ptx = asm["ptx"]
+    assert ".target sm_90" in ptx
+    assert len(asm["cubin"]) > 0  # ptxas accepted it (inline multimem asm included)
+    has_ld, has_st = "multimem.ld_reduce" in ptx, "multimem.st" in ptx
+    if kernel == "multimem":
+        assert has_ld and has_st
+        suffix = {"bf16": "acc::f32.v4.bf16x2", "fp16": "acc::f32.v4.f16x2", "fp32": "v4.f32"}
+        assert f"multimem.ld_reduce.relaxed.sys.global.add.{suffix[dtype]}" in ptx
+    elif kernel == "p2p_pull":
+        assert not has_ld and not has_st
+        assert "ld.global.cg.v4" in ptx  # 16-byte peer loads
+    else:  # push: 16-byte loads and stores only, no scalar element accesses
+        assert not has_ld and not has_st
+        assert "st.global.v4.b32" in ptx and "ld.global.v4.b32" in ptx
+        assert not re.search(r"(ld|st)\.global\.b(16|32)\b", ptx)
+    # the signal-pad barrier: system fence + relaxed increments to peers, acquire reads
+    # of our own pad; all predicated on one thread
+    assert "fence.acq_rel.sys" in ptx
+    # (newer LLVM emits the result-less form as ``red``: the same relaxed system-scope add)
+    assert re.search(r"(atom|red)\.global\.sys\.relaxed\.add\.[us]32", ptx)
+    # (LLVM turns the idempotent acquire add of 0 into an acquire load)
+    assert "ld.global.sys.acquire.b32" in ptx or "atom.global.sys.acquire.add.u32" in ptx
+
+
+@requires_triton
+@pytest.mark.parametrize("kernel", ["p2p", "p2p_pull", "multimem"])
+@pytest.mark.parametrize("kw", [
+    dict(dtype=torch.bfloat16, hidden=5120, residual_in_sharded=True, residual_out_sharded=True),
+    dict(dtype=torch.bfloat16, hidden=2048, residual_dtype=torch.float32,
+         mid_dtype=torch.bfloat16),
+    dict(dtype=torch.float32, hidden=8192, out_dtype=torch.bfloat16, has_bias=False,
+         has_residual=False, has_weight=False),
+    dict(dtype=torch.float16, hidden=16384, world_size=4, spin_limit=1 << 20),
+], ids=["sharded-5120", "fp32res-mid", "fp32in-bf16out-bare", "fp16-16384-w4-spin"])
+def test_ptx_compiles_flag_variants(kernel, kw):
+    kw = dict(kw)
+    ptx = compile_variant_ptx(kernel, kw.pop("dtype"), kw.pop("hidden"), **kw)
+    assert ("multimem.ld_reduce" in ptx) == (kernel == "multimem")
+
+
+@requires_triton
+def test_compile_rejects_bad_args():
+    with pytest.raises(ValueError):
+        compile_variant_ptx("nccl", torch.bfloat16, 4096)
+    with pytest.raises(ValueError):
+        compile_variant_ptx("p2p", torch.bfloat16, 4100)
+
+
+@requires_triton
+def test_push_kernel_is_software_pipelined():
+    """Several tiles in flight per CTA: the row loops stage their loads with cp.async."""
+    asm = compile_variant_ptx("p2p", torch.bfloat16, 4096, return_all=True)
+    assert "cp.async" in asm["ptx"]
+    assert asm["shared"] > 0
+    v1 = compile_variant_ptx("p2p_pull", torch.bfloat16, 4096)
+    assert "cp.async" not in v1
