@@ -323,3 +323,24 @@ def test_compiles_for_sm90_with_volatile_waits_and_no_multimem(dtype, rdt, shard
     ptx = _compile_sm90(dtype, rdt, sharded=sharded)
     assert "ld.volatile" in ptx  # the waits read memory, not a cached line
     assert "multimem" not in ptx
+
+
+# ----------------------------------------------------------------------------- selection (explain's pick and reason)
+
+
+@pytest.mark.parametrize("requested,variant,tokens,want,reason", [
+    ("auto", "p2p", 64, "oneshot", "auto: T*H*b = 524288 B <= "),
+    ("auto", "p2p", 4096, "p2p", "not one-shot: T*H*b = 33554432 B > "),
+    ("auto", "p2p", None, "p2p", "not one-shot: symbolic token count"),
+    ("auto", "multimem", 64, "multimem", "auto: "),  # with multicast, multimem stays the pick (unmeasured)
+    ("oneshot", "p2p", 4096, "oneshot", "requested"),
+    ("p2p", "p2p", 64, "p2p", "requested"),
+])
+def test_select_kernel_picks_oneshot_below_crossover(monkeypatch, requested, variant, tokens, want, reason):
+    from weave_compile import kernels as symm
+    from weave_compile.kernels.allreduce_rmsnorm import select_kernel
+
+    monkeypatch.setattr(symm, "select_symm_variant", lambda *a, **k: (variant, f"{variant} usable"))
+    kernel, why = select_kernel(requested, torch.device("cuda", 0), (torch.bfloat16,) * 3, 4096, "g",
+                                num_tokens=tokens)
+    assert kernel == want and reason in why, (kernel, why)

@@ -195,6 +195,8 @@ def select_kernel(
             return "oneshot", why if requested == "oneshot" else f"auto: {why}"
         if requested == "auto":
             return variant, f"auto: {reason}; not one-shot: {why}"
+    if requested == "auto":
+        return variant, f"auto: {reason}"
     if requested == variant:
         return variant, "requested"
     if requested == "p2p" and variant == "multimem":
