@@ -18,10 +18,16 @@ token) for each ``--variants``:
     nocomm      "default" with every all_reduce replaced by the identity: wrong results, the
                 ceiling for what hiding communication can give
 
-and with ``--decode`` one decode step (T=1) against a static KV cache holding
-``--decode-context`` tokens (``--phases decode`` alone skips prefill). Medians of ``--iters``
-runs timed with CUDA events after ``--warmup``. ``--csv PATH`` appends one row per
-(phase, T, variant) with the GPU, versions, commit and date.
+and with ``--decode`` the decode step (one new token per sequence) at each ``--decode-batches``
+size (default 1 8 64 256) against a static KV cache holding ``--decode-context`` tokens (default
+1024), compiled with static shapes (one graph per batch size) and timed on GPUs under CUDA graphs
+for every variant, eager included (``--phases decode`` alone skips prefill); ``--decode-out DIR``
+writes those rows to ``DIR/hf_decode_<arch>_<size>.csv`` (GPU, torch/triton versions, commit,
+date) and a PNG. Prefill: medians of ``--iters`` runs timed with CUDA events after ``--warmup``.
+``--csv PATH`` appends one row per (phase, T, variant) with the GPU, versions, commit and date.
+
+    torchrun --nproc-per-node 2 examples/hf_tp.py --size 8b --phases decode --decode-out benchmarks/results
+    python examples/hf_tp.py --phases decode --decode-context 16 --decode-batches 1 3 --decode-out /tmp/d
 
 Each (variant, T) compiles from scratch (``torch._dynamo.reset()``) with static shapes unless
 ``--dynamic`` marks the token dim dynamic, which compiles each variant once for all ``--tokens``.
@@ -74,7 +80,7 @@ def _bench(fn: Callable[[], object], warmup: int, iters: int, cuda: bool) -> flo
     return statistics.median(times)
 
 
-def _compiled(model, variant: str, kernel: str):
+def _compiled(model, variant: str, kernel: str, dynamic: Optional[bool] = None):
     """The callable for ``variant`` (Dynamo state reset first, so nothing is shared between variants)."""
     import weave_compile
 
@@ -83,8 +89,8 @@ def _compiled(model, variant: str, kernel: str):
     if variant == "eager":
         return model
     if variant == "tokenweave":
-        return torch.compile(model, backend="tokenweave", fullgraph=True, options={"kernel": kernel})
-    return torch.compile(model, fullgraph=True)  # default, nocomm
+        return torch.compile(model, backend="tokenweave", fullgraph=True, dynamic=dynamic, options={"kernel": kernel})
+    return torch.compile(model, fullgraph=True, dynamic=dynamic)  # default, nocomm
 
 
 def _diff(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -124,7 +130,7 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> dict:
                 world=world_size)
     prefill = "prefill" in args.phases
     steps = (len(args.tokens) if prefill else 0) * len(args.variants)
-    steps += len(args.variants) if "decode" in args.phases else 0
+    steps += len(args.variants) * len(args.decode_batches) if "decode" in args.phases else 0
     step = 0
     with torch.no_grad():
         refs = {}
@@ -164,7 +170,17 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> dict:
 
 
 def _decode(rank, model, args, base, reports, cuda, timing, step, steps) -> list[dict]:
-    """One decode step (T=1) after ``--decode-context`` prefilled tokens, per variant."""
+    """The decode step after ``--decode-context`` cached tokens, per ``--decode-batches`` size and variant.
+
+    One new token per sequence (T = batch rows) against a static KV cache at a fixed position:
+    transformers 5.17's static cache layers advance a device counter (``cumulative_length``) on
+    every call, so each timed step first resets every layer's counter to the context length (one
+    ``_foreach_copy_`` launch, in every variant) and then rewrites the same cache slot with the same
+    key/value: every call does the same work. Compiled variants use static shapes, so each batch size gets its own graph, the
+    way serving engines capture fixed sizes. On GPUs the step is timed as CUDA-graph replays
+    (``benchmarks/common.py``'s Timer: ``--iters`` steps captured in one graph, median of 5 replays,
+    max over ranks) for every variant alike, eager included. Logits are checked against the eager
+    step of the same batch."""
     import contextlib
 
     import transformers
@@ -176,29 +192,55 @@ def _decode(rank, model, args, base, reports, cuda, timing, step, steps) -> list
     if ARCHS[args.arch].sliding_cache:
         _progress(rank, "note: sliding-window cache layers keep a Python int position: each decode step "
                         "recompiles until Dynamo makes it dynamic")
-    context = prompt(args.batch, ctx_len, cfg.vocab_size, args.seed, device)
-    tok = prompt(args.batch, 1, cfg.vocab_size, args.seed + 1, device)
-    rows, ref = [], None
+    states = {}
+    for b in args.decode_batches:  # an eagerly prefilled cache per batch size, shared by the variants
+        cache = transformers.StaticCache(config=cfg, max_cache_len=ctx_len + 8)
+        model(prompt(b, ctx_len, cfg.vocab_size, args.seed, device), past_key_values=cache, use_cache=True)
+        tok = prompt(b, 1, cfg.vocab_size, args.seed + 1, device)
+        pos = torch.tensor([ctx_len], device=device)
+        counters = [layer.cumulative_length for layer in cache.layers if hasattr(layer, "cumulative_length")]
+        rewind = ([torch.full_like(c, ctx_len) for c in counters], counters)
+        torch._foreach_copy_(rewind[1], rewind[0])
+        ref = model(tok, past_key_values=cache, cache_position=pos, use_cache=True).logits
+        states[b] = (cache, tok, pos, rewind, ref)
+    rows = []
     for variant in args.variants:
-        step += 1
-        cache = transformers.StaticCache(config=cfg, max_cache_len=ctx_len + args.warmup + args.iters + 8)
-        model(context, past_key_values=cache, use_cache=True)  # eager prefill, same state for every variant
-        fn = _compiled(model, variant, args.kernel)
-        _progress(rank, f"{step}/{steps} decode ctx={ctx_len} {variant}: compiling / first run")
-        with without_all_reduce() if variant == "nocomm" else contextlib.nullcontext():
-            t0 = time.perf_counter()
-            logits = fn(tok, past_key_values=cache, use_cache=True).logits
-            compile_s = time.perf_counter() - t0
-            ref = logits if ref is None else ref
-            max_abs, rel = _diff(logits, ref)
-            ms = (_bench(lambda: fn(tok, past_key_values=cache, use_cache=True), args.warmup, args.iters, cuda)
-                  if timing else float("nan"))
-        rep = weave_compile.explain() if variant == "tokenweave" else None
-        if rep is not None:
-            reports[f"decode ctx={ctx_len}"] = str(rep)
-        rows.append(_row(base, f"decode@{ctx_len}", 1, variant, ms, compile_s, max_abs, rel, rep))
-        _progress(rank, f"{step}/{steps} decode {variant}: {ms:.3f} ms, max |logits - first variant| {max_abs:.3g}")
+        fn = _compiled(model, variant, args.kernel, dynamic=False)
+        for b in args.decode_batches:
+            step += 1
+            cache, tok, pos, rewind, ref = states[b]
+
+            def run(fn=fn, cache=cache, tok=tok, pos=pos, rewind=rewind):
+                torch._foreach_copy_(rewind[1], rewind[0])  # back to ctx_len cached tokens
+                return fn(tok, past_key_values=cache, cache_position=pos, use_cache=True)
+
+            _progress(rank, f"{step}/{steps} decode ctx={ctx_len} batch={b} {variant}: compiling / first run")
+            with without_all_reduce() if variant == "nocomm" else contextlib.nullcontext():
+                t0 = time.perf_counter()
+                logits = run().logits
+                if cuda:
+                    torch.cuda.synchronize()
+                compile_s = time.perf_counter() - t0
+                max_abs, rel = _diff(logits, ref)
+                ms = float("nan")
+                if cuda:
+                    ms = _graph_timer(args)(run, args.iters) / 1e3
+                elif timing:
+                    ms = _bench(run, args.warmup, args.iters, cuda)
+            rep = weave_compile.explain() if variant == "tokenweave" else None
+            if rep is not None:
+                reports[f"decode ctx={ctx_len} batch={b}"] = str(rep)
+            rows.append(_row(dict(base, batch=b), f"decode@{ctx_len}", b, variant, ms, compile_s, max_abs, rel, rep))
+            _progress(rank, f"{step}/{steps} decode batch={b} {variant}: {ms:.3f} ms, max |logits - eager| "
+                            f"{max_abs:.3g} (rel {rel:.2g})")
     return rows
+
+
+def _graph_timer(args):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from common import Timer
+
+    return Timer(repeats=5, warmup=args.warmup, graph=True)
 
 
 def _row(base: dict, phase: str, tokens: int, variant: str, ms: float, compile_s: float, max_abs: float,
@@ -236,8 +278,10 @@ def _report(result: dict, args: argparse.Namespace) -> None:
     for r in result["rows"]:
         print(f"{r['phase']:<14} {r['tokens']:>6} {r['variant']:<11} {r['ms']:>10.3f} {r['compile_s']:>12.1f} "
               f"{r['max_abs_diff']:>10.3g} {r['rel_err']:>9.2g}")
-    print("(diff: against the eager TP model; decode: against the first variant's logits; nocomm's is "
-          "expected to be large)")
+    print("(diff: against the eager TP model, decode: its eager step; nocomm's is expected to be large)")
+    decode_rows = [r for r in result["rows"] if r["phase"].startswith("decode")]
+    if args.decode_out and decode_rows:
+        _write_decode(decode_rows, args)
     if args.csv:
         import transformers
 
@@ -256,6 +300,55 @@ def _report(result: dict, args: argparse.Namespace) -> None:
         print(f"appended {len(result['rows'])} rows to {args.csv}")
 
 
+DECODE_COLUMNS = ["gpu", "torch", "triton", "transformers", "git_commit", "date", "world", "arch", "size", "layers",
+                  "dtype", "phase", "batch", "variant", "ms", "x_default", "compile_s", "max_abs_diff", "rel_err",
+                  "fused_sites", "all_reduce_sites", "kernel"]
+
+
+def _write_decode(rows: list[dict], args: argparse.Namespace) -> None:
+    """``hf_decode_<arch>_<size>.csv`` (+ ``.png`` when matplotlib is there) in ``--decode-out``."""
+    import transformers
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from common import meta, write_csv
+
+    info = dict(meta(), transformers=transformers.__version__)
+    if args.commit:
+        info["git_commit"] = args.commit
+    if args.launched != "torchrun":
+        info["gpu"] = "cpu"  # spawned CPU ranks: nothing here ran on a GPU
+    default = {r["batch"]: r["ms"] for r in rows if r["variant"] == "default"}
+    out = []
+    for r in rows:
+        x = r["ms"] / default[r["batch"]] if default.get(r["batch"]) else float("nan")
+        out.append({**info, **{k: r[k] for k in DECODE_COLUMNS if k in r}, "x_default": x})
+    stem = os.path.join(args.decode_out, f"hf_decode_{args.arch}_{args.size}")
+    write_csv(stem + ".csv", out, DECODE_COLUMNS)
+    print(f"wrote {stem}.csv")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        print(f"# matplotlib unavailable ({e}); no plot")
+        return
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for variant in dict.fromkeys(r["variant"] for r in out):
+        pts = sorted((r["batch"], r["ms"]) for r in out if r["variant"] == variant)
+        ax.plot([b for b, _ in pts], [m for _, m in pts], marker="o", label=variant)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("decode batch (sequences, 1 new token each)")
+    ax.set_ylabel("ms per decode step (CUDA graph replay)")
+    ax.set_title(f"{args.arch} {args.size}, TP={out[0]['world']}, {args.decode_context} cached tokens\n"
+                 f"{info['gpu']}, torch {info['torch']}, {info['git_commit']}", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(stem + ".png", dpi=120)
+    print(f"wrote {stem}.png")
+
+
 def _parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     from weave_compile.testing.hf import ARCHS, SIZES
 
@@ -270,11 +363,15 @@ def _parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--phases", nargs="+", choices=("prefill", "decode"), default=["prefill"],
                    help="prefill (use_cache=False) and/or one decode step with a static KV cache")
     p.add_argument("--decode", action="store_true", help="shorthand: add the decode phase")
-    p.add_argument("--decode-context", type=int, default=None, help="tokens in the cache (default: first --tokens)")
+    p.add_argument("--decode-context", type=int, default=1024, help="tokens in the cache (default 1024)")
+    p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8, 64, 256],
+                   help="decode batch sizes (sequences, one new token each; default 1 8 64 256)")
+    p.add_argument("--decode-out", default=None,
+                   help="write the decode rows as CSV + PNG here (DIR/hf_decode_<arch>_<size>.{csv,png})")
     p.add_argument("--target", choices=("model", "causal_lm"), default="model",
                    help="prefill: the decoder stack (default) or the whole causal LM with logits of the last token")
     p.add_argument("--dynamic", action="store_true", help="mark the token dim dynamic: one compile per variant")
-    p.add_argument("--kernel", default="auto", choices=("auto", "reference", "p2p", "multimem"),
+    p.add_argument("--kernel", default="auto", choices=("auto", "reference", "p2p", "multimem", "oneshot"),
                    help="tokenweave fused-op kernel")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="default bfloat16 on GPU, float32 on CPU")
@@ -294,8 +391,6 @@ def _parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.variants = list(VARIANTS) if gpu or args.time else ["eager", "tokenweave"]
     if args.decode and "decode" not in args.phases:
         args.phases.append("decode")
-    if args.decode_context is None:
-        args.decode_context = args.tokens[0]
     return args
 
 

@@ -13,7 +13,7 @@ import hashlib
 import json
 from typing import Any, Literal, get_args, get_type_hints
 
-KernelChoice = Literal["auto", "reference", "p2p", "multimem", "ce", "nccl"]
+KernelChoice = Literal["auto", "reference", "p2p", "multimem", "oneshot", "ce", "nccl"]
 Compiler = Literal["inductor", "aot_eager"]
 Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
@@ -27,10 +27,10 @@ class TokenWeaveConfig:
     #: Keep the residual stream sharded by token rows between fused sites whose only
     #: consumer of the residual is the next fused site.
     shard_residual: bool = True
-    #: Implementation of the fused op: ``auto`` picks ``multimem`` where multicast exists, else the
-    #: fastest design measured for the world size, token count and split among those that can run
+    #: Implementation of the fused op: ``auto`` picks ``multimem`` where multicast exists, else
+    #: ``oneshot`` for a static token count below its crossover, else the fastest design measured for the world size, token count and split among those that can run
     #: (``kernels/auto_table.py``; where nothing was measured, by capability: ``p2p``, else
-    #: ``reference``); the others force one: ``p2p``, ``multimem``,
+    #: ``reference``); the others force one: ``p2p``, ``multimem``, ``oneshot`` (barrier-free),
     #: ``ce`` (copy engines + stream-memory-op flags + a few-CTA add+norm), ``nccl`` (NCCL
     #: reduce-scatter/all-gather around the same add+norm), ``reference``. A forced kernel that
     #: cannot run falls back to ``reference`` with a logged reason.

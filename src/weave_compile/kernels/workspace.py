@@ -246,8 +246,12 @@ def get_workspace(group_name: str, dtype: torch.dtype, hidden: int, num_tokens: 
         if ws.used_in_capture:
             # A captured graph still points at the old buffers: keep them alive.
             _RETIRED.append(ws)
-    new = _allocate_workspace(group_name, device, dtype, out_dtype, residual_dtype, hidden,
-                              channel, capacity)
+    from .outside_pool import run_outside_graph_pool
+
+    # Growing at run time can happen inside cudagraph trees' warm-up (a symbolic T above the
+    # compile-time reservation); allocated there, the workspace's tensors fail the pool check.
+    new = run_outside_graph_pool(lambda: _allocate_workspace(
+        group_name, device, dtype, out_dtype, residual_dtype, hidden, channel, capacity), device)
     _WORKSPACES[key] = new
     return new
 

@@ -40,7 +40,7 @@ from typing import Any, Optional
 import torch
 
 from .reference import group_size, num_rows, reference_impl, rows_per_rank
-from .selection import KERNELS, SYMM_KERNELS, symm_kernels
+from .selection import KERNELS, NO_SCALE_KERNELS, SYMM_KERNELS, symm_kernels
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +93,14 @@ def _fused(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     comm_ctas = a.pop("comm_ctas")
     if kernel not in KERNELS:
         raise ValueError(f"weave::allreduce_add_rmsnorm: unknown kernel {kernel!r}; valid: {KERNELS}")
-    if a["scale"] is not None and kernel in SYMM_KERNELS:
+    if a["scale"] is not None and kernel in NO_SCALE_KERNELS:
         raise ValueError("weave::allreduce_add_rmsnorm: the symmetric-memory kernels take no scale")
     if kernel in SYMM_KERNELS and a["x"].is_cuda:
         out = _symm(kernel, comm_ctas, **a)
+        if out is not None:
+            return out
+    elif kernel == "oneshot" and a["x"].is_cuda:
+        out = _oneshot(comm_ctas, **a)
         if out is not None:
             return out
     elif kernel in ("ce", "nccl") and (a["x"].is_cuda or kernel == "nccl"):
@@ -127,6 +131,22 @@ def _symm(kernel: str, comm_ctas: int, *, x, residual, bias, weight, residual_in
         _log_fallback_once(kernel, str(e))
         return None
     return normed.reshape(x.shape), (residual_out if residual_out_sharded else residual_out.reshape(x.shape))
+
+
+def _oneshot(comm_ctas: int, *, x, residual, bias, weight, scale, **rest) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """The barrier-free one-shot kernel, or None where its buffers cannot grow now (reference runs)."""
+    from weave_compile.kernels import SymmCapacityError, oneshot
+
+    hidden = x.shape[-1]
+    try:
+        normed, residual_out = oneshot.oneshot_allreduce_rmsnorm(
+            x.reshape(-1, hidden), None if residual is None else residual.reshape(-1, hidden),
+            None if bias is None else bias.reshape(hidden), None if weight is None else weight.reshape(hidden),
+            num_ctas=comm_ctas, **rest)
+    except SymmCapacityError as e:
+        _log_fallback_once("oneshot", str(e))
+        return None
+    return normed.reshape(x.shape), (residual_out if rest["residual_out_sharded"] else residual_out.reshape(x.shape))
 
 
 @functools.lru_cache(maxsize=64)

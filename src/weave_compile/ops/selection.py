@@ -14,9 +14,11 @@ import torch
 from .reference import group_size
 
 #: Values of the op's ``kernel`` argument.
-KERNELS = ("reference", "p2p", "multimem", "ce", "nccl")
+KERNELS = ("reference", "p2p", "multimem", "oneshot", "ce", "nccl")
 #: The barrier-based symmetric-memory Triton kernels of :mod:`weave_compile.kernels`.
 SYMM_KERNELS = ("p2p", "multimem")
+#: The kernels that take no ``scale`` (the pass sends scaled sites to ``reference``).
+NO_SCALE_KERNELS = SYMM_KERNELS + ("oneshot",)
 
 
 def symm_kernels():
@@ -35,8 +37,9 @@ def select_kernel(
     """Pick the implementation at compile time; returns ``(kernel, reason)`` for the explain report.
 
     ``dtypes`` are the input's, the residual's and the output's; ``num_tokens`` the graph's static
-    row count (None when symbolic) and ``split`` whether the token split will run: ``auto`` looks
-    them up in the measured table (:mod:`weave_compile.kernels.auto_table`). On CUDA this
+    row count (None when symbolic) and ``split`` whether the token split will run: ``auto`` takes
+    ``multimem`` where multicast exists, the one-shot kernel for a small static T, else looks them
+    up in the measured table (:mod:`weave_compile.kernels.auto_table`). On CUDA this
     rendezvous-es a probe buffer on first use (collective): every rank compiles the same graphs,
     so every rank gets here together.
     """
@@ -58,10 +61,18 @@ def select_kernel(
         variant, reason = None, why
     if variant is None:
         return "reference", reason
-    if requested == "auto":
-        if variant == "multimem":  # multicast present: TokenWeave's own design
-            return variant, f"auto: {reason}"
-        return comm_kernels.pick_auto(variant, reason, group_size(group_name), num_tokens, split)
+    if requested == "auto" and variant == "multimem":  # multicast present: TokenWeave's own design
+        return variant, f"auto: {reason}"
+    if requested == "oneshot" or (requested == "auto" and variant == "p2p"):
+        # One-shot needs what p2p needs; auto takes it for a small static T.
+        from weave_compile.kernels import oneshot
+
+        use, why = oneshot.choose(requested, num_tokens, hidden, dtypes[0])
+        if use:
+            return "oneshot", why if requested == "oneshot" else f"auto: {why}"
+        if requested == "auto":
+            kernel, auto_why = comm_kernels.pick_auto(variant, reason, group_size(group_name), num_tokens, split)
+            return kernel, f"{auto_why}; not one-shot: {why}"
     if requested == variant:
         return variant, "requested"
     if requested == "p2p" and variant == "multimem":

@@ -327,6 +327,26 @@ def _reserve_workspace(group: str, tx: torch.Tensor, residual_dtype: torch.dtype
                  residual_dtype=residual_dtype, device=tx.device)
 
 
+def _static_rows(tx: torch.Tensor) -> Optional[int]:
+    """The token count if it is static, else None."""
+    rows = 1
+    for d in tx.shape[:-1]:
+        if not isinstance(d, int):
+            return None
+        rows *= d
+    return rows
+
+
+def _reserve_oneshot(group: str, tx: torch.Tensor, tres_in: Optional[torch.Tensor]) -> None:
+    """The one-shot kernel's buffers, outside any CUDA-graph pool (collective, like the above)."""
+    from weave_compile.kernels import oneshot
+
+    hidden = int(tx.shape[-1])
+    rows = oneshot.reserve_rows(hidden, tx.dtype, _static_rows(tx) or 1)
+    res_dtype = tres_in.dtype if tres_in is not None else tx.dtype
+    oneshot.reserve(group, tx.dtype, res_dtype, hidden, rows, tx.device)
+
+
 class FuseAllReduceRMSNormPass(WeavePass):
     """Rewrite every matchable site, in graph order; returns a report of every all_reduce."""
 
@@ -370,10 +390,15 @@ class FuseAllReduceRMSNormPass(WeavePass):
         if m.scale is not None:
             kernel, kernel_reason = "reference", "scaled site: the symmetric-memory kernels take no scale"
         else:
+            rows = _static_rows(tx)
+            # Whether the split will run here (the split pass decides later; its threshold is known).
+            split = self.config.split and (rows is None or rows >= self.config.split_threshold)
             kernel, kernel_reason = select_kernel(self.config.kernel, tx.device, (tx.dtype, tres.dtype, tout.dtype),
-                                                  tx.shape[-1], group)
+                                                  tx.shape[-1], group, num_tokens=rows, split=split)
             if kernel in ("p2p", "multimem"):
                 _reserve_workspace(group, tx, tres.dtype, tout.dtype)
+            elif kernel == "oneshot":
+                _reserve_oneshot(group, tx, val(m.residual) if m.residual is not None else None)
         # Replay the chain's views on x so the op sees the residual's shape.
         xin = x
         insert_after = anchor

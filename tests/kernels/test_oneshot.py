@@ -1,0 +1,348 @@
+"""Tests for kernels/oneshot.py (barrier-free one-shot fused all-reduce + RMSNorm).
+
+CPU: the real kernel under Triton's interpreter (``TRITON_INTERPRET=1``), one spawned process per
+rank (gloo only for the start/end barriers), every rank's buffer a shared file mapped by every
+process (the CPU stand-in for symmetric memory). Back-to-back calls with changing T rotate the
+slots past 3 and re-poison slots of different sizes; inputs hold -0.0 (the sentinel pattern).
+GPU (``test_oneshot_gpu.py``): emulated ranks on one GPU, sharing this file's case machinery.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from weave_compile.kernels import oneshot
+from weave_compile.ops.reference import allreduce_add_rmsnorm_ref
+from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
+
+requires_triton = pytest.mark.skipif(not oneshot.HAS_TRITON, reason="triton not installed")
+DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Elementwise |out - ref| <= atol + rtol * |ref| against the float64 reference (which rounds where
+# the contract rounds), by output dtype.
+TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16: (4e-3, 4e-3)}
+
+
+# ----------------------------------------------------------------------------- case machinery
+
+
+def case(T, H, dtype="bf16", *, res="full", bias=True, weight=True, mid=None, woff=0.0, rdt=None, odt=None,
+         neg_zero=False, ctas=8, seed=0):
+    """res: none | full | shard_in | shard_out | shard_both; rdt: residual dtype; odt: output dtype."""
+    return dict(T=T, H=H, dtype=dtype, res=res, bias=bias, weight=weight, mid=mid, woff=woff, rdt=rdt, odt=odt,
+                neg_zero=neg_zero, ctas=ctas, seed=seed)
+
+
+def flags(c):
+    return c["res"] in ("shard_in", "shard_both"), c["res"] in ("shard_out", "shard_both")
+
+
+def dtypes(c):
+    dt = DT[c["dtype"]]
+    rdt = DT[c["rdt"]] if c["rdt"] else dt
+    return dt, rdt, DT[c["odt"]] if c["odt"] else dt
+
+
+def make_inputs(c, world, device):
+    """Every rank's partial sum, the full residual, bias, weight: the same on every rank (seeded)."""
+    g = torch.Generator(device="cpu").manual_seed(int(c["seed"]))
+    T, H = c["T"], c["H"]
+    dt, rdt, _ = dtypes(c)
+
+    def rnd(*shape, dtype, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
+
+    xs = [rnd(T, H, dtype=dt) for _ in range(world)]
+    residual = rnd(T, H, dtype=rdt) if c["res"] != "none" else None
+    if c["neg_zero"]:  # the sentinel bit pattern as real data: must be sent as +0.0, never wait forever
+        for x in xs:
+            x[:, ::5] = -0.0
+        if residual is not None:
+            residual[:, ::7] = -0.0
+        if T > 1:  # a whole row of -0.0 everywhere (its sum is zero: a zero normed row)
+            for x in xs:
+                x[T // 2] = -0.0
+            if residual is not None:
+                residual[T // 2] = -0.0
+    bias = rnd(H, dtype=dt, scale=0.5) if c["bias"] else None
+    weight = rnd(H, dtype=dt) if c["weight"] else None
+    if c["neg_zero"] and bias is not None:
+        bias[::5] = 0.0
+    return xs, residual, bias, weight
+
+
+def shard(t, world, rank):
+    T, H = t.shape
+    S = math.ceil(T / world)
+    out = torch.zeros(S, H, dtype=t.dtype, device=t.device)
+    lo, hi = rank * S, min(T, (rank + 1) * S)
+    if hi > lo:
+        out[:hi - lo] = t[lo:hi]
+    return out
+
+
+def poisoned_outputs(c, world, device):
+    T, H = c["T"], c["H"]
+    _, rdt, odt = dtypes(c)
+    _, out_sh = flags(c)
+    S = math.ceil(T / world)
+    normed = torch.full((T, H), float("nan"), dtype=odt, device=device)
+    res_out = torch.full((S, H) if out_sh else (T, H), float("nan"), dtype=rdt, device=device)
+    return normed, res_out
+
+
+def rank_args(c, world, rank, xs, residual):
+    """This rank's x and residual as the fused op receives them."""
+    in_sh, _ = flags(c)
+    res_in = None if residual is None else (shard(residual, world, rank) if in_sh else residual)
+    return xs[rank], res_in
+
+
+def launch_rank(ws, c, x, res_in, bias, weight, normed, res_out):
+    in_sh, out_sh = flags(c)
+    oneshot.launch(ws, x, res_in, bias, weight, normed, res_out, eps=1e-6,
+                   mid_dtype=DT[c["mid"]] if c["mid"] else None, weight_offset=c["woff"],
+                   residual_in_sharded=in_sh, residual_out_sharded=out_sh, num_ctas=c["ctas"])
+
+
+def expected(c, xs, residual, bias, weight):
+    """The float64 oracle in the op's output dtypes (it rounds the residual where the contract does;
+    a mid dtype is not modelled: the tolerances cover that one rounding)."""
+    _, rdt, odt = dtypes(c)
+    return allreduce_add_rmsnorm_ref(xs, residual, bias, weight, eps=1e-6, weight_offset=c["woff"],
+                                     residual_dtype=rdt, out_dtype=odt)
+
+
+def mismatches(c, world, rank, normed, res_out, ref_n, ref_r) -> list[str]:
+    """What is wrong with one rank's outputs (empty: correct)."""
+    T = c["T"]
+    _, out_sh = flags(c)
+    errs = []
+    if out_sh:
+        S = math.ceil(T / world)
+        lo, hi = rank * S, min(T, (rank + 1) * S)
+        n = max(0, hi - lo)
+        pairs = [("normed", normed, ref_n), ("residual shard", res_out[:n], ref_r[lo:hi])]
+        if n < S and not bool((res_out[n:] == 0).all()):
+            errs.append("residual shard rows past T are not zero")
+    else:
+        pairs = [("normed", normed, ref_n), ("residual", res_out, ref_r)]
+    for name, out, ref in pairs:
+        if out.dtype != ref.dtype or out.shape != ref.shape:
+            errs.append(f"{name}: {out.dtype}{tuple(out.shape)} != {ref.dtype}{tuple(ref.shape)}")
+            continue
+        atol, rtol = TOL[out.dtype]
+        if name == "normed" and c["mid"]:  # the norm is rounded to mid_dtype first: its ulp rules
+            atol, rtol = max(atol, TOL[DT[c["mid"]]][0]), max(rtol, TOL[DT[c["mid"]]][1])
+        o, r = out.double().cpu(), ref.double().cpu()
+        bad = ~((o - r).abs() <= atol + rtol * r.abs())  # NaN (an unwritten, poisoned element) is bad
+        if bool(bad.any()):
+            errs.append(f"{name}: {int(bad.sum())} elements off, max err {float((o - r).abs().nan_to_num(1e9).max()):.3g}")
+    return errs
+
+
+# ----------------------------------------------------------------------------- host-side units
+
+
+def test_sentinel_is_negative_zero():
+    for dt in DT.values():
+        s = oneshot.sentinel_tensor(dt)
+        assert s.item() == 0.0 and torch.signbit(s).item(), dt
+
+
+def test_layout_regions_aligned_and_disjoint():
+    lay = oneshot.layout(100, 3, 40, torch.bfloat16, torch.float32)
+    assert lay.src_bytes >= 100 * 40 * 2 and lay.src_bytes % 256 == 0
+    assert lay.res_off == 3 * lay.src_bytes
+    assert lay.slot_bytes >= lay.res_off + 100 * 40 * 4 and lay.slot_bytes % 256 == 0
+    assert lay.total == 3 * lay.slot_bytes
+
+
+def test_poison_fills_every_region_with_sentinel():
+    lay = oneshot.layout(8, 2, 16, torch.bfloat16, torch.float32)
+    buf = torch.zeros(lay.total, dtype=torch.uint8)
+    oneshot.poison_(buf, lay, 2, 16, torch.bfloat16, torch.float32)
+    for s in range(3):
+        xs = buf[s * lay.slot_bytes:s * lay.slot_bytes + 2 * lay.src_bytes].view(torch.int16)
+        assert bool((xs == -(1 << 15)).all())
+        rs = buf[s * lay.slot_bytes + lay.res_off:s * lay.slot_bytes + lay.res_off + 8 * 16 * 4].view(torch.int32)
+        assert bool((rs == -(1 << 31)).all())
+
+
+def test_choose_by_bytes_and_static_t():
+    H, dt = 4096, torch.bfloat16
+    limit_rows = oneshot.ONESHOT_MAX_BYTES // (H * 2)
+    assert oneshot.choose("auto", limit_rows, H, dt)[0]
+    assert not oneshot.choose("auto", limit_rows + 1, H, dt)[0]
+    use, why = oneshot.choose("auto", None, H, dt)
+    assert not use and "symbolic" in why
+    assert oneshot.choose("oneshot", 10**6, H, dt) == (True, "requested")
+
+
+def test_traffic_model_two_ranks_equals_two_shot_nvlink_bytes():
+    # At N = 2 one-shot moves T*H*b each way, like reduce-scatter + all-gather (T*H*b/2 + T*H*b/2).
+    m = oneshot.traffic_model(256, 8192, torch.bfloat16, 2)
+    assert m["nvlink_out"] == m["nvlink_in"] == 256 * 8192 * 2
+
+
+# ----------------------------------------------------------------------------- interpreter simulation
+
+#: Per workspace: (H, dtype, residual dtype, calls). Calls run back to back on one workspace, so
+#: slots rotate (> 3 calls) and slots written with one T are re-poisoned before a different T.
+SIM_GROUPS = [
+    (64, "bf16", None, [case(7, 64, seed=1), case(1, 64, res="none", bias=False, seed=2),
+                        case(13, 64, res="shard_both", neg_zero=True, ctas=2, seed=3),
+                        case(7, 64, res="shard_in", mid="bf16", woff=1.0, seed=4),
+                        case(2, 64, res="shard_out", weight=False, neg_zero=True, seed=5),
+                        case(16, 64, neg_zero=True, ctas=3, seed=6)]),
+    (48, "fp32", "fp32", [case(5, 48, "fp32", odt="bf16", res="shard_in", neg_zero=True, seed=7),
+                          case(11, 48, "fp32", odt="bf16", res="full", ctas=4, seed=8),
+                          case(3, 48, "fp32", odt="bf16", res="shard_both", seed=9),
+                          case(9, 48, "fp32", odt="bf16", res="shard_in", neg_zero=True, seed=10)]),
+    (32, "fp16", "fp32", [case(37, 32, "fp16", rdt="fp32", res="shard_both", mid="bf16", ctas=4, seed=11),
+                          case(4, 32, "fp16", rdt="fp32", res="full", neg_zero=True, seed=12),
+                          case(20, 32, "fp16", rdt="fp32", res="shard_in", ctas=5, seed=13),
+                          case(1, 32, "fp16", rdt="fp32", res="shard_both", seed=14)]),
+]
+
+
+def _capacity(calls, world):
+    return max(math.ceil(c["T"] / world) * world for c in calls)
+
+
+def _sim_rank(rank, world, files, groups, seed):
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    failures = []
+    for gi, (H, dts, rdts, calls) in enumerate(groups):
+        dt, rdt = DT[dts], DT[rdts] if rdts else DT[dts]
+        cap = _capacity(calls, world)
+        lay = oneshot.layout(cap, world, H, dt, rdt)
+        bufs = [torch.from_file(files[gi][p], shared=True, size=lay.total, dtype=torch.uint8) for p in range(world)]
+        ws = oneshot.workspace_from_buffers(bufs, rank, hidden=H, in_dtype=dt, res_dtype=rdt, capacity=cap)
+        dist.barrier()  # every rank's buffer is poisoned before anyone pushes
+        for ci, c0 in enumerate(calls):
+            c = dict(c0, seed=seed + 1000 * gi + c0["seed"])
+            xs, residual, bias, weight = make_inputs(c, world, "cpu")
+            normed, res_out = poisoned_outputs(c, world, "cpu")
+            x, res_in = rank_args(c, world, rank, xs, residual)
+            launch_rank(ws, c, x, res_in, bias, weight, normed, res_out)
+            for e in mismatches(c, world, rank, normed, res_out, *expected(c, xs, residual, bias, weight)):
+                failures.append(f"group {gi} call {ci} T={c['T']} {c['res']}: {e}")
+        dist.barrier()
+        if ws.timeouts():
+            failures.append(f"group {gi}: {ws.timeouts()} spin-limit trips")
+        if int(ws.state[0]) != len(calls) or int(ws.state[1]) != 0:
+            failures.append(f"group {gi}: state {ws.state.tolist()} after {len(calls)} calls")
+    return failures
+
+
+@requires_triton
+@pytest.mark.parametrize("world", [2, 3])
+def test_oneshot_in_cpu_interpreter(world, tmp_path, monkeypatch, seed):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the spawned ranks inherit it before importing triton
+    monkeypatch.setenv("WEAVE_SYMM_SPIN_LIMIT", str(1 << 16))  # a lost row fails instead of hanging
+    files = []
+    for gi, (H, dts, rdts, calls) in enumerate(SIM_GROUPS):
+        dt, rdt = DT[dts], DT[rdts] if rdts else DT[dts]
+        total = oneshot.layout(_capacity(calls, world), world, H, dt, rdt).total
+        paths = []
+        for p in range(world):
+            path = str(tmp_path / f"g{gi}_r{p}.bin")
+            with open(path, "wb") as f:
+                f.truncate(total)
+            paths.append(path)
+        files.append(paths)
+    results = run_ranks(_sim_rank, world, args=(files, SIM_GROUPS, seed % 10**6), timeout=600)
+    for rank, fails in enumerate(assert_ranks_ok(results)):
+        assert not fails, f"rank {rank}: " + "; ".join(fails)
+
+
+def test_oneshot_op_falls_back_to_reference_on_cpu_tensors():
+    """kernel="oneshot" on CPU tensors runs the reference (checked on 2 gloo ranks)."""
+    results = run_ranks(_op_rank, 2, timeout=120)
+    assert_ranks_ok(results)
+
+
+def _op_rank(rank, world):
+    import torch.distributed as dist
+
+    import weave_compile.ops as ar
+
+    c = case(5, 16, "fp32", res="full", seed=3)
+    xs, residual, bias, weight = make_inputs(c, world, "cpu")
+    group = dist.group.WORLD.group_name
+    normed, res_out = ar.allreduce_add_rmsnorm(xs[rank], residual, bias, weight, 1e-6, group, torch.float32,
+                                               torch.float32, None, 0.0, False, False, "oneshot", 8)
+    errs = mismatches(c, world, rank, normed, res_out, *expected(c, xs, residual, bias, weight))
+    assert not errs, errs
+
+
+# ----------------------------------------------------------------------------- compiles for sm_90
+
+
+def _compile_sm90(dtype, rdt, *, sharded: bool):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    import triton
+
+    from weave_compile.kernels.common import sig_dtype as _sig_dtype, tl_dtype as _tl_dtype
+
+    fn = oneshot._oneshot_allreduce_rmsnorm_kernel
+    meta = oneshot.launch_meta(4096, 256, 32)
+    ptr = {"PTR_TABLE": "*i64", "STATE": "*i32", "X": _sig_dtype(dtype), "RESIDUAL": _sig_dtype(rdt),
+           "BIAS": _sig_dtype(dtype), "WEIGHT": _sig_dtype(dtype), "NORMED": _sig_dtype(dtype),
+           "RESIDUAL_OUT": _sig_dtype(rdt)}
+    ints = ("num_tokens", "rows_per_rank", "rank", "stride_x_row", "stride_res_row", "stride_out_row",
+            "stride_res_out_row")
+    runtime = {**ptr, **{n: "i32" for n in ints}, "slot_bytes": "i64", "src_bytes": "i64", "res_off": "i64",
+               "eps": "fp32", "weight_offset": "fp32"}
+    consts = dict(WORLD_SIZE=2, HIDDEN=4096, BLOCK_H=meta.block_h, BLOCK_ROWS=meta.block_rows,
+                  IN_DTYPE=_tl_dtype(dtype), IN_BITS=oneshot._tl_int(dtype), IN_SENT=oneshot.SENTINEL[dtype],
+                  RIN_DTYPE=_tl_dtype(rdt), RIN_BITS=oneshot._tl_int(rdt), RIN_SENT=oneshot.SENTINEL[rdt],
+                  OUT_DTYPE=_tl_dtype(dtype), RES_DTYPE=_tl_dtype(rdt), MID_DTYPE=_tl_dtype(torch.float32),
+                  HAS_BIAS=True, HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_MID=False,
+                  RESIDUAL_IN_SHARDED=sharded, RESIDUAL_OUT_SHARDED=sharded, PUSH_RES=sharded, SPIN_LIMIT=0)
+    signature = {n: runtime.get(n, "constexpr") for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ptr}
+    src = ASTSource(fn, signature, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": meta.num_warps, "num_stages": 1}).asm["ptx"]
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype,rdt,sharded", [(torch.bfloat16, torch.bfloat16, True),
+                                               (torch.float32, torch.float32, False),
+                                               (torch.float16, torch.float32, True)])
+def test_compiles_for_sm90_with_volatile_waits_and_no_multimem(dtype, rdt, sharded):
+    ptx = _compile_sm90(dtype, rdt, sharded=sharded)
+    assert "ld.volatile" in ptx  # the waits read memory, not a cached line
+    assert "multimem" not in ptx
+
+
+# ----------------------------------------------------------------------------- selection (explain's pick and reason)
+
+
+@pytest.mark.parametrize("requested,variant,tokens,want,reason", [
+    ("auto", "p2p", 64, "oneshot", "auto: T*H*b = 524288 B <= "),
+    ("auto", "p2p", 4096, "p2p", "not one-shot: T*H*b = 33554432 B > "),
+    ("auto", "p2p", None, "p2p", "not one-shot: symbolic token count"),
+    ("auto", "multimem", 64, "multimem", "auto: "),  # with multicast, multimem stays the pick (unmeasured)
+    ("oneshot", "p2p", 4096, "oneshot", "requested"),
+    ("p2p", "p2p", 64, "p2p", "requested"),
+])
+def test_select_kernel_picks_oneshot_below_crossover(monkeypatch, requested, variant, tokens, want, reason):
+    from weave_compile import kernels as symm
+    from weave_compile.ops import selection
+    from weave_compile.ops.selection import select_kernel
+
+    monkeypatch.setattr(symm, "select_symm_variant", lambda *a, **k: (variant, f"{variant} usable"))
+    monkeypatch.setattr(selection, "group_size", lambda group_name: 2)  # no process group named "g" here
+    kernel, why = select_kernel(requested, torch.device("cuda", 0), (torch.bfloat16,) * 3, 4096, "g",
+                                num_tokens=tokens)
+    assert kernel == want and reason in why, (kernel, why)

@@ -1,0 +1,103 @@
+"""Decode end to end: a Hugging Face Llama loaded with ``tp_plan="auto"``, ``generate()`` compiled by tokenweave.
+
+Two gloo ranks (CPU). Rank 0 saves a tiny random Llama with ``save_pretrained``; every rank loads it
+back with ``from_pretrained(dir, tp_plan="auto", tp_size=2)`` (transformers' own TP sharding; in
+5.17 ``tp_plan="auto"`` without ``tp_size`` loads an unsharded model). Greedy
+``generate()`` with a static KV cache runs eagerly (TP, no compile) and with transformers' own
+decode-step compilation (``generation_config.compile_config``) using ``backend="tokenweave"`` with
+static shapes: one graph per decode batch size, the way serving engines capture fixed sizes. The
+compiled run must give the same tokens, fuse every site in every graph, and compile exactly one
+graph per batch size (no recompile per step, none when a batch size comes back).
+On CPU the graph runs with ``compiler="aot_eager"``; on GPUs the same path runs with
+``mode="reduce-overhead"`` (examples/hf_tp.py --decode).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
+
+# transformers' from_pretrained(..., tp_plan=...) refuses to run without accelerate (a test extra).
+pytest.importorskip("accelerate", reason="from_pretrained(tp_plan=...) needs accelerate (pip install -e '.[test]')")
+
+LAYERS = 2
+NEW_TOKENS = 6
+PROMPT = 5
+#: (batch, seed) in order: batch 3 after batch 1, then batch 1 again with a new prompt (no new graph).
+RUNS = [(1, 11), (3, 12), (1, 13)]
+
+
+def _tiny_llama(path: str) -> None:
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(path)
+
+
+def _decode_rank(rank, world, path):
+    import torch.distributed as dist
+    import transformers
+    from transformers import CompileConfig
+
+    import weave_compile
+    from weave_compile.testing.hf import is_sharded, prompt
+
+    if rank == 0:
+        _tiny_llama(path)
+    dist.barrier()
+    # transformers 5.17: tp_plan="auto" alone keeps tp_size=1 (an unsharded model); say the size.
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", tp_size=world,
+                                                              dtype=torch.float32).eval()
+    assert is_sharded(model), "from_pretrained(tp_plan='auto') left the model unsharded"
+    gen = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation="static")
+    compile_config = CompileConfig(backend="tokenweave", fullgraph=True, dynamic=False, mode=None,
+                                   options={"compiler": "aot_eager"})
+    compile_config._compile_all_devices = True  # transformers compiles decode steps only on GPUs by default
+    weave_compile.reset()
+    torch._dynamo.reset()
+    out = {"tokens": [], "graphs_after": [], "sites": []}
+    with torch.no_grad():
+        for batch, seed in RUNS:
+            ids = prompt(batch, PROMPT, model.config.vocab_size, seed)
+            eager = model.generate(ids, disable_compile=True, **gen)
+            compiled = model.generate(ids, compile_config=compile_config, **gen)
+            out["tokens"].append((eager[:, PROMPT:].tolist(), compiled[:, PROMPT:].tolist()))
+            rep = weave_compile.explain()
+            out["graphs_after"].append(len(rep.graphs))
+        out["sites"] = [(g.matched_count, len(g.sites), sorted({s.kernel for s in g.sites if s.fused}))
+                        for g in weave_compile.explain().graphs]
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny_llama"))
+    return assert_ranks_ok(run_ranks(_decode_rank, 2, args=(path,), timeout=900))
+
+
+def test_generate_same_tokens_as_eager_tp(results):
+    for rank, res in enumerate(results):
+        for (batch, _), (eager, compiled) in zip(RUNS, res["tokens"]):
+            assert len(eager) == batch and all(len(r) == NEW_TOKENS for r in eager)
+            assert compiled == eager, f"rank {rank}, batch {batch}: {compiled} != {eager}"
+    assert results[0]["tokens"] == results[1]["tokens"]  # TP ranks generate the same sequence
+
+
+def test_one_graph_per_decode_batch_size(results):
+    # Batch 1 -> one graph; batch 3 -> a second; batch 1 again reuses the first. No graph per step.
+    for res in results:
+        assert res["graphs_after"] == [1, 2, 2], res["graphs_after"]
+
+
+def test_every_site_fused_in_every_decode_graph(results):
+    for res in results:
+        for fused, total, kernels in res["sites"]:
+            assert total == 2 * LAYERS and fused == total, res["sites"]
+            assert kernels == ["reference"], kernels  # CPU tensors: the collective path
