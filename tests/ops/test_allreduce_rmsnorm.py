@@ -123,7 +123,7 @@ def test_unknown_kernel_is_a_clear_error():
         allreduce_add_rmsnorm(torch.randn(2, 8), None, None, None, eps=1e-6, group_name="0",
                               residual_dtype=torch.float32, out_dtype=torch.float32, mid_dtype=None,
                               weight_offset=0.0, residual_in_sharded=False, residual_out_sharded=False,
-                              kernel="nccl", comm_ctas=8)
+                              kernel="nvls", comm_ctas=8)
 
 
 def test_one_schema_for_the_fused_op_and_its_async_form():
@@ -182,7 +182,7 @@ def test_symm_kernels_get_every_argument_by_name_and_a_full_workspace_falls_back
     assert xs == (6, 8) and rs == (6, 8) and bias is None and ws == (8,)
     assert kw == dict(eps=1e-5, group_name="g", residual_dtype=torch.float32, out_dtype=torch.bfloat16,
                       mid_dtype=None, weight_offset=1.0, residual_in_sharded=False, residual_out_sharded=False,
-                      num_ctas=4, variant="p2p")
+                      comm_ctas=4, kernel="p2p")
 
     def full(*args, **kw):
         raise symm.SymmCapacityError("workspace too small during capture")

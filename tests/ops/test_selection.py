@@ -19,6 +19,9 @@ def symm(monkeypatch):
     monkeypatch.setattr(mod, "select_symm_variant", lambda group, device, dtype, hidden: (state["variant"],
                                                                                          state["reason"]))
     monkeypatch.setattr(mod, "check_hidden", lambda hidden, dtypes: state["hidden_problem"])
+    from weave_compile.ops import selection
+
+    monkeypatch.setattr(selection, "group_size", lambda group_name: 2)  # no process group named "g" here
     return state
 
 
@@ -29,7 +32,11 @@ def test_reference_when_requested_or_off_gpu():
 
 
 def test_auto_takes_the_available_variant(symm):
-    assert select_kernel("auto", CUDA, BF16, 4096, "g") == ("p2p", "auto: p2p over symmetric memory")
+    # p2p capable, symbolic T: not one-shot; the measured table (world size 2) picks p2p.
+    kernel, why = select_kernel("auto", CUDA, BF16, 4096, "g")
+    assert kernel == "p2p" and why.startswith("auto: ") and "not one-shot: symbolic token count" in why
+    kernel, why = select_kernel("auto", CUDA, BF16, 4096, "g", num_tokens=64)
+    assert kernel == "oneshot" and why.startswith("auto: ")
     symm.update(variant="multimem", reason="multicast pointer present")
     assert select_kernel("auto", CUDA, BF16, 4096, "g") == ("multimem", "auto: multicast pointer present")
 
@@ -53,4 +60,4 @@ def test_a_hidden_size_or_dtype_the_kernels_cannot_take_falls_back_with_its_reas
 
 
 def test_kernel_names():
-    assert KERNELS == ("reference", "p2p", "multimem")
+    assert KERNELS == ("reference", "p2p", "multimem", "oneshot", "ce", "nccl")
