@@ -95,7 +95,7 @@ from .workspace import SymmCapacityError
 
 log = logging.getLogger(__name__)
 
-#: Provisional crossover (2x H200 data, benchmarks/NOTES.md "One-shot"): ``kernel="auto"`` picks
+#: Provisional crossover (a model over 2x H200 data: benchmarks/NOTES.md, issue 15): ``kernel="auto"`` picks
 #: the one-shot kernel when a static token count's message ``T * H * itemsize`` is at most this.
 ONESHOT_MAX_BYTES = 4 << 20
 NUM_SLOTS = 3
