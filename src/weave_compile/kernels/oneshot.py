@@ -89,7 +89,6 @@ import torch
 
 from .common import HAS_TRITON, spin_limit, tl, tl_dtype, triton
 from .launch import launch_meta
-from .rownorm import add_norm, norm_params
 from .select import check_hidden
 from .workspace import SymmCapacityError
 
@@ -114,6 +113,7 @@ def sentinel_tensor(dtype: torch.dtype) -> torch.Tensor:
 # ----------------------------------------------------------------------------- kernel
 
 if HAS_TRITON:
+    from .rownorm import add_norm, norm_params  # the shared add + RMSNorm body (jit functions)
 
     @triton.jit
     def _unsentinel(v, BITS: tl.constexpr, SENT: tl.constexpr):
