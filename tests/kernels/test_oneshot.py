@@ -19,8 +19,10 @@ from weave_compile.kernels import oneshot
 from weave_compile.ops.reference import allreduce_add_rmsnorm_ref
 from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
 
+from ._symm_cases import DTYPES as DT
+from ._symm_cases import shard_rows
+
 requires_triton = pytest.mark.skipif(not oneshot.HAS_TRITON, reason="triton not installed")
-DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Elementwise |out - ref| <= atol + rtol * |ref| against the float64 reference (which rounds where
 # the contract rounds), by output dtype.
 TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16: (4e-3, 4e-3)}
@@ -74,16 +76,6 @@ def make_inputs(c, world, device):
     return xs, residual, bias, weight
 
 
-def shard(t, world, rank):
-    T, H = t.shape
-    S = math.ceil(T / world)
-    out = torch.zeros(S, H, dtype=t.dtype, device=t.device)
-    lo, hi = rank * S, min(T, (rank + 1) * S)
-    if hi > lo:
-        out[:hi - lo] = t[lo:hi]
-    return out
-
-
 def poisoned_outputs(c, world, device):
     T, H = c["T"], c["H"]
     _, rdt, odt = dtypes(c)
@@ -97,7 +89,7 @@ def poisoned_outputs(c, world, device):
 def rank_args(c, world, rank, xs, residual):
     """This rank's x and residual as the fused op receives them."""
     in_sh, _ = flags(c)
-    res_in = None if residual is None else (shard(residual, world, rank) if in_sh else residual)
+    res_in = None if residual is None else (shard_rows(residual, world, rank) if in_sh else residual)
     return xs[rank], res_in
 
 

@@ -61,3 +61,42 @@ def test_exceptions_propagate():
 
     with pytest.raises(ValueError, match="inner"):
         run_outside_graph_pool(boom, torch.device("cuda"))
+
+
+def _grow_in_warmup_rank(rank, world, kernel):
+    """TPLlama under reduce-overhead with a symbolic T that outgrows the compile-time reservation."""
+    import torch.distributed as dist
+
+    import weave_compile
+    from weave_compile.testing.models import LlamaDims, TPLlama
+
+    d = LlamaDims(hidden=256, heads=4, kv_heads=2, intermediate=512, layers=2, vocab=512)
+    dev = torch.device("cuda", rank)
+    model = TPLlama(d, tp=world, rank=rank, group=dist.group.WORLD, dtype=torch.bfloat16, device=dev)
+    ref = TPLlama(d, tp=world, rank=rank, group=dist.group.WORLD, dtype=torch.bfloat16, device=dev)
+    c = torch.compile(model, backend="tokenweave", options={"kernel": kernel, "mode": "reduce-overhead"})
+    errs = []
+    with torch.no_grad():
+        for t in (64, 9000, 12000):  # 9000 > the 8192 rows (p2p) / 4096 rows (oneshot) reserved
+            tokens = torch.randint(0, d.vocab, (1, t), device=dev)
+            torch._dynamo.mark_dynamic(tokens, 1)
+            for _ in range(3):  # warm-up (grows), record, replay
+                out = c(tokens)
+            want = ref(tokens)
+            err = ((out.float() - want.float()).norm() / want.float().norm()).item()
+            if not err < 3e-2:
+                errs.append(f"T={t}: rel err {err:.3g}")
+    kernels = {s.kernel for s in weave_compile.explain().sites if s.fused}
+    return errs, sorted(kernels)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (symmetric memory across processes)")
+@pytest.mark.parametrize("kernel", ["p2p", "oneshot"])
+def test_workspace_growth_under_reduce_overhead_with_symbolic_tokens(kernel):
+    """The failure the pool check reported (issue 15), with the real workspaces."""
+    from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
+
+    for errs, kernels in assert_ranks_ok(run_ranks(_grow_in_warmup_rank, 2, args=(kernel,), backend="nccl",
+                                                   timeout=600)):
+        assert not errs, errs
+        assert kernels == [kernel], kernels

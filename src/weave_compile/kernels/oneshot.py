@@ -89,13 +89,12 @@ import torch
 
 from .common import HAS_TRITON, spin_limit, tl, tl_dtype, triton
 from .launch import launch_meta
-from .rownorm import add_norm, norm_params
 from .select import check_hidden
 from .workspace import SymmCapacityError
 
 log = logging.getLogger(__name__)
 
-#: Provisional crossover (2x H200 data, benchmarks/NOTES.md "One-shot"): ``kernel="auto"`` picks
+#: Provisional crossover (a model over 2x H200 data: benchmarks/NOTES.md, issue 15): ``kernel="auto"`` picks
 #: the one-shot kernel when a static token count's message ``T * H * itemsize`` is at most this.
 ONESHOT_MAX_BYTES = 4 << 20
 NUM_SLOTS = 3
@@ -114,6 +113,7 @@ def sentinel_tensor(dtype: torch.dtype) -> torch.Tensor:
 # ----------------------------------------------------------------------------- kernel
 
 if HAS_TRITON:
+    from .rownorm import add_norm, norm_params  # the shared add + RMSNorm body (jit functions)
 
     @triton.jit
     def _unsentinel(v, BITS: tl.constexpr, SENT: tl.constexpr):
