@@ -68,10 +68,10 @@ def _sources_digest() -> str:
     from weave_compile.kernels import allreduce_rmsnorm
 
     h = hashlib.sha256()
-    from weave_compile import smart_split
+    from weave_compile import gemm_cost, smart_split
     from weave_compile.kernels import causal_suffix_attention
 
     for mod in (sys.modules[__name__], fuse_allreduce_rmsnorm, shard_residual, split_tokens, graph_utils,
-                allreduce_rmsnorm, smart_split, causal_suffix_attention):
+                allreduce_rmsnorm, smart_split, gemm_cost, causal_suffix_attention):
         h.update(inspect.getsource(mod).encode())
     return h.hexdigest()

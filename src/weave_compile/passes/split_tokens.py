@@ -273,10 +273,12 @@ class _Rewriter:
 
     # ------------------------------------------------------------------------- split size
 
-    def _layer_shape(self) -> tuple[smart_split.LayerShape, int]:
-        """The GEMMs over the token rows and the attention width in this graph; the SM count."""
-        gemm_n, gemm_k, attn_width = [], [], 0
-        rows = _prod(val(self.fused[0].args[_X]).shape[:-1])
+    def _layer_shape(self) -> tuple[smart_split.LayerShape, torch.dtype]:
+        """The GEMMs over the token rows, the attention width and the fused sites in this graph;
+        the GEMMs' dtype."""
+        gemm_n, gemm_k, attn_width, dtype = [], [], 0, None
+        x = val(self.fused[0].args[_X])
+        rows = _prod(x.shape[:-1])
         for n in self.graph.nodes:
             if is_call(n, aten.mm.default, aten.addmm.default):
                 a, b = (n.args[0], n.args[1]) if n.target == aten.mm.default else (n.args[1], n.args[2])
@@ -285,14 +287,15 @@ class _Rewriter:
                         and all(isinstance(d, int) for d in tb.shape)):
                     gemm_k.append(int(tb.shape[0]))
                     gemm_n.append(int(tb.shape[1]))
+                    dtype = dtype or ta.dtype
             elif is_call(n, *ATTENTION_OPS):
                 q = val(n.args[0])
                 if all(isinstance(d, int) for d in q.shape[1:]):
                     attn_width += int(q.shape[1] * q.shape[3])
-        num_sms = self.config.num_sms or (
-            torch.cuda.get_device_properties(self.device).multi_processor_count
-            if self.device.type == "cuda" else smart_split.DEFAULT_NUM_SMS)
-        return smart_split.LayerShape(gemms=tuple(zip(gemm_n, gemm_k)), attn_width=attn_width), num_sms
+        hidden = x.shape[-1] if isinstance(x.shape[-1], int) else 0
+        layer = smart_split.LayerShape(gemms=tuple(zip(gemm_n, gemm_k)), attn_width=attn_width, hidden=hidden,
+                                       elem_bytes=x.element_size(), sites=len(self.fused))
+        return layer, dtype or x.dtype
 
     def _plan(self) -> None:
         anchor = self.fused[0].args[_X]
@@ -304,9 +307,13 @@ class _Rewriter:
             self.summary.split_at = f"{b} sequences" + (" (forced)" if self.config.split_at else " (half)")
             return
         if isinstance(self.total, int):
-            s = smart_split.choose_split(self.total, *self._layer_shape(), self.config.split_at)
+            layer, dtype = self._layer_shape()
+            choice = smart_split.plan(self.total, layer, forced=self.config.split_at, cost=self.config.split_cost,
+                                      device=self.device, dtype=dtype, num_sms=self.config.num_sms,
+                                      group_name=_group_of(self.fused[0]))
+            s = choice.at
             self.sizes, self.total_arg = (s, self.total - s), self.total
-            self.summary.split_at = str(s) + (" (forced)" if self.config.split_at else " (smart split)")
+            self.summary.split_at = choice.describe()
             self.summary.tokens = f"{self.total} tokens"
             return
         # Symbolic sequence length: one graph for every length, so the split point must be an
@@ -321,10 +328,19 @@ class _Rewriter:
             if self.config.split_at:
                 s_node = self.config.split_at
                 self.summary.split_at = f"{s_node} (forced)"
+            elif guard_bool(seq_node.meta["val"] >= 2 * smart_split.GRID):
+                # smart_split.near_half as graph arithmetic: T // 2 rounded up to the row grid
+                # (in [1, T - 1] for T >= 2 * GRID, which the guard keeps; the threshold implies it
+                # at the default split_threshold, so no extra graph).
+                grid = smart_split.GRID
+                half = self.mk(operator.floordiv, (seq_node, 2))
+                up = self.mk(operator.floordiv, (self.mk(operator.add, (half, grid - 1)), grid))
+                s_node = self.mk(operator.mul, (up, grid))
+                self.summary.split_at = (f"run time: ((T // 2 + {grid - 1}) // {grid}) * {grid} (tile-aligned near-half; "
+                                         "the measured smart split needs a static T)")
             else:
                 s_node = self.mk(operator.floordiv, (seq_node, 2))
-                self.summary.split_at = ("run time: T // 2 (equal halves; the wave- and attention-aware "
-                                         "smart split needs a static T)")
+                self.summary.split_at = "run time: T // 2 (equal halves; fewer than 128 tokens possible)"
         with self.graph.inserting_after(s_node if isinstance(s_node, fx.Node) else seq_node):
             rest = self.mk(operator.sub, (seq_node, s_node))
         self.sizes, self.total_arg = (s_node, rest), seq_node
@@ -888,6 +904,13 @@ def _depends_on(node: fx.Node, target: fx.Node) -> bool:
             stack.extend((u, True) for u in n.users if u.target is WAIT_OP and u.args[0] is n or
                          u.target is WAIT_OP and u.args[1] is n)
     return False
+
+
+def _group_of(fused: fx.Node) -> Optional[str]:
+    """The fused op's process group name, passed by position or by name."""
+    if "group_name" in fused.kwargs:
+        return fused.kwargs["group_name"]
+    return fused.args[5] if len(fused.args) > 5 else None
 
 
 def _nodes_in(args: Any) -> list[fx.Node]:
