@@ -19,8 +19,13 @@ the weight, ``mm(x, w.t())`` as Inductor calls cuBLAS for ``nn.Linear``), timed 
   width 0 (no attention is timed here) and the fused op's comm model for the set's hidden size
   and sites; ``dyn`` = the symbolic-T expression ``near_half``; ``formula`` = the chooser on the
   SM formula; the sweep: every multiple of 64 in [T/4, 3T/4] (``best`` = its fastest).
-* ``rerun_*``: equal, smart and best captured and timed again at the end of each T (the spread
-  against the first timing is the run-to-run noise).
+* **Final, side by side.** The sweep's points are timed one after another, and an H200 running
+  bf16 GEMMs back to back drifts by a few percent over seconds (clocks under the power limit), so
+  the minimum of a ~100-point sweep is biased low. The reported times therefore come from
+  ``--rounds`` interleaved rounds over the finalists (unsplit, equal, smart, dyn, formula and the
+  sweep's 5 fastest points), one fresh CUDA graph timing each per round, median over rounds;
+  ``best`` is the fastest finalist on the sweep's grid. ``sweep_best_*`` keep the raw sweep minimum
+  and ``spread`` the median over finalists of (max - min) / median across rounds (the noise).
 
 Also measured per T: the chooser's wall time with a cold cache and again on a cache hit.
 
@@ -51,11 +56,11 @@ SHAPES = {
     "8b_layer_tp2": ((((3072, 4096), (4096, 2048)), ((14336, 4096), (4096, 7168))), 4096, 2),
     "8b_ffn_tp2": ((((14336, 4096), (4096, 7168)),), 4096, 1),
 }
-TOKENS = "512,768,1024,1280,1536,1792,2048,2560,3072,3584,4096,5120,6144,7168,8192,10240,12288,14336,16384"
+TOKENS = "512,768,1024,1280,1536,1792,2048,2560,3072,3584,4096,5120,6144,8192,10240,12288,16384"
 COLUMNS = ["gpu", "torch", "triton", "git_commit", "date", "shape", "T", "unsplit_ms", "equal_ms", "smart_ms",
-           "smart_at", "best_ms", "best_at", "dyn_ms", "dyn_at", "formula_ms", "formula_at", "rerun_equal_ms",
-           "rerun_smart_ms", "rerun_best_ms", "smart_source", "plan_cold_s", "measure_cold_s", "plan_cached_s",
-           "measure_cached_s", "iters"]
+           "smart_at", "best_ms", "best_at", "dyn_ms", "dyn_at", "formula_ms", "formula_at", "sweep_best_ms",
+           "sweep_best_at", "sweep_smart_ms", "spread", "rounds", "smart_source", "plan_cold_s", "measure_cold_s",
+           "plan_cached_s", "measure_cached_s", "iters"]
 SWEEP_COLUMNS = ["gpu", "git_commit", "shape", "T", "split_at", "ms"]
 
 
@@ -80,7 +85,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--tokens", default=TOKENS)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2, help="replays per sweep point")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the finalists")
     ap.add_argument("--target-ms", type=float, default=2.0, help="iters per graph: about this much GPU time")
     ap.add_argument("--out", default=RESULTS)
     ap.add_argument("--dry-run", action="store_true", help="CPU, fp32, tiny T: runs every code path, times nothing real")
@@ -106,6 +112,9 @@ def main() -> None:
             return (time.perf_counter() - t0) * 1e3 / iters
         return Timer(repeats=args.repeats, warmup=1, graph=True)(fn, iters) / 1e3
 
+    def timed1(fn, iters):
+        return timed(fn, iters) if dry else Timer(repeats=1, warmup=1, graph=True)(fn, iters) / 1e3
+
     for name in args.shapes.split(","):
         segments, hidden, sites = SHAPES[name]
         gemms = tuple(g for seg in segments for g in seg)
@@ -126,20 +135,28 @@ def main() -> None:
                     cached = ss.plan(t, shape, cost="measured", device=device, dtype=dtype, cache_folder=cache)
                     plan_cached = time.perf_counter() - t0
                 formula = ss.plan(t, shape, cost="formula", device=device)
-                unsplit = timed(lambda: layer.run(t), iters)
                 sweep = {s: timed(lambda: layer.run(t, s), iters) for s in ss.candidates(t)}
                 for s in (t // 2, smart.at, ss.near_half(t), formula.at):
                     if s not in sweep:  # off the grid (T not a multiple of 128): its own graph
                         sweep[s] = timed(lambda: layer.run(t, s), iters)
-                best_at = min((s for s in ss.candidates(t)), key=sweep.__getitem__)
-                rerun = {k: timed(lambda: layer.run(t, s), iters)
-                         for k, s in (("equal", t // 2), ("smart", smart.at), ("best", best_at))}
+                sweep_best = min(ss.candidates(t), key=sweep.__getitem__)
+                top = sorted(ss.candidates(t), key=sweep.__getitem__)[:5]
+                finalists = list(dict.fromkeys([0, t // 2, smart.at, ss.near_half(t), formula.at, *top]))
+                times = {s: [] for s in finalists}
+                for _ in range(args.rounds):
+                    for s in finalists:
+                        times[s].append(timed1(lambda: layer.run(t, s), iters))
+                med = {s: statistics.median(v) for s, v in times.items()}
+                spread = statistics.median((max(v) - min(v)) / statistics.median(v) for v in times.values())
+                best_at = min((s for s in finalists if s in ss.candidates(t)), key=med.__getitem__)
+                unsplit = med[0]
                 row = {**meta, "shape": name, "T": t, "unsplit_ms": f"{unsplit:.4f}",
-                       "equal_ms": f"{sweep[t // 2]:.4f}", "smart_ms": f"{sweep[smart.at]:.4f}", "smart_at": smart.at,
-                       "best_ms": f"{sweep[best_at]:.4f}", "best_at": best_at,
-                       "dyn_ms": f"{sweep[ss.near_half(t)]:.4f}", "dyn_at": ss.near_half(t),
-                       "formula_ms": f"{sweep[formula.at]:.4f}", "formula_at": formula.at,
-                       **{f"rerun_{k}_ms": f"{v:.4f}" for k, v in rerun.items()},
+                       "equal_ms": f"{med[t // 2]:.4f}", "smart_ms": f"{med[smart.at]:.4f}", "smart_at": smart.at,
+                       "best_ms": f"{med[best_at]:.4f}", "best_at": best_at,
+                       "dyn_ms": f"{med[ss.near_half(t)]:.4f}", "dyn_at": ss.near_half(t),
+                       "formula_ms": f"{med[formula.at]:.4f}", "formula_at": formula.at,
+                       "sweep_best_ms": f"{sweep[sweep_best]:.4f}", "sweep_best_at": sweep_best,
+                       "sweep_smart_ms": f"{sweep[smart.at]:.4f}", "spread": f"{spread:.4f}", "rounds": args.rounds,
                        "smart_source": smart.source, "plan_cold_s": f"{plan_cold:.3f}",
                        "measure_cold_s": f"{smart.measure_s:.3f}", "plan_cached_s": f"{plan_cached:.4f}",
                        "measure_cached_s": f"{cached.measure_s:.3f}", "iters": iters}
@@ -147,10 +164,11 @@ def main() -> None:
                 rows.append(row)
                 sweep_rows += [{"gpu": meta["gpu"], "git_commit": meta["git_commit"], "shape": name, "T": t,
                                 "split_at": s, "ms": f"{ms:.4f}"} for s, ms in sorted(sweep.items())]
-                print(f"{name:13s} T={t:6d} unsplit {unsplit:.4f} equal {sweep[t // 2]:.4f} smart@{smart.at} "
-                      f"{sweep[smart.at]:.4f} best@{best_at} {sweep[best_at]:.4f} dyn {sweep[ss.near_half(t)]:.4f} "
-                      f"| cold {plan_cold:.2f}s (measure {smart.measure_s:.2f}s) cached {plan_cached * 1e3:.1f}ms "
-                      f"| rerun eq {rerun['equal']:.4f} sm {rerun['smart']:.4f} best {rerun['best']:.4f}", flush=True)
+                print(f"{name:13s} T={t:6d} unsplit {unsplit:.4f} equal {med[t // 2]:.4f} smart@{smart.at} "
+                      f"{med[smart.at]:.4f} best@{best_at} {med[best_at]:.4f} dyn {med[ss.near_half(t)]:.4f} "
+                      f"| sweep best@{sweep_best} {sweep[sweep_best]:.4f} spread {spread:.4f} "
+                      f"| cold {plan_cold:.2f}s (measure {smart.measure_s:.2f}s) cached {plan_cached * 1e3:.1f}ms",
+                      flush=True)
                 write_csv(path, rows, COLUMNS)
                 write_csv(sweep_path, sweep_rows, SWEEP_COLUMNS)
         del layer
@@ -168,15 +186,15 @@ def summarize(rows) -> None:
     for name in dict.fromkeys(r["shape"] for r in rows):
         rs = [r for r in rows if r["shape"] == name]
         sb = [f(r, "smart_ms") / f(r, "best_ms") for r in rs]
-        rsb = [f(r, "rerun_smart_ms") / f(r, "rerun_best_ms") for r in rs]
+        ssb = [f(r, "sweep_smart_ms") / f(r, "sweep_best_ms") for r in rs]
         se = [f(r, "smart_ms") / f(r, "equal_ms") for r in rs]
         db = [f(r, "dyn_ms") / f(r, "smart_ms") for r in rs]
-        noise = [abs(f(r, f"rerun_{k}_ms") / f(r, f"{k}_ms") - 1) for r in rs for k in ("equal", "smart", "best")]
-        print(f"{name}: smart/best median {statistics.median(sb):.3f} max {max(sb):.3f} (rerun: median "
-              f"{statistics.median(rsb):.3f} max {max(rsb):.3f}); smart/equal max {max(se):.3f}; "
+        noise = [f(r, "spread") for r in rs]
+        print(f"{name}: smart/best median {statistics.median(sb):.3f} max {max(sb):.3f} (raw sweep: median "
+              f"{statistics.median(ssb):.3f} max {max(ssb):.3f}); smart/equal max {max(se):.3f}; "
               f"equal/unsplit max {max(f(r, 'equal_ms') / f(r, 'unsplit_ms') for r in rs):.3f}; "
               f"best/unsplit max {max(f(r, 'best_ms') / f(r, 'unsplit_ms') for r in rs):.3f}; "
-              f"dyn/smart median {statistics.median(db):.3f} max {max(db):.3f}; rerun noise median "
+              f"dyn/smart median {statistics.median(db):.3f} max {max(db):.3f}; round spread median "
               f"{statistics.median(noise):.4f} max {max(noise):.4f}; cold plan max "
               f"{max(f(r, 'plan_cold_s') for r in rs):.2f}s, cached max {max(f(r, 'plan_cached_s') for r in rs):.4f}s")
 
