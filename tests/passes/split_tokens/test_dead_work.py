@@ -18,7 +18,7 @@ GEMM = re.compile(r"torch\.ops\.aten\.(mm|addmm|bmm)\.default")
 
 def _count(rank, world_size, arch, seed):
     import weave_compile
-    from weave_compile.passes.fuse_allreduce_rmsnorm import FUSED_OP
+    from weave_compile.ops import FUSED_OP
     from weave_compile.testing.hf import build_model, capture_pass_graphs, prompt
     from weave_compile.testing.numerics import rel_err
 
