@@ -33,7 +33,7 @@ def test_static_token_count_uses_the_smart_split_or_the_forced_one(seed):
     for res in assert_ranks_ok(run_ranks(_static_smart_split, 2, args=(seed,), timeout=600)):
         (err, text, sites), (ferr, ftext, _) = res
         assert err < 1e-5 and ferr < 1e-5
-        assert text.startswith("split 40 tokens at 20 (smart split)"), text  # 40 < 2 tiles: t // 2
+        assert text.startswith("split 40 tokens at 20 (smart split: T // 2"), text  # no 64-row grid point in [10, 30]
         assert ftext.startswith("split 41 tokens at 5 (forced)"), ftext
         assert sites == ["per half, comm stream"] * len(sites) and sites
 

@@ -101,7 +101,7 @@ def make_plan(rw: Rewriter) -> Plan:
         if config.split_at:
             s_node = config.split_at
             split_at = f"{s_node} (forced)"
-        elif guard_bool(val(seq_node) >= 2 * smart_split.GRID):
+        elif guard_bool(seq_node.meta["val"] >= 2 * smart_split.GRID):
             # smart_split.near_half: in [1, T - 1] for T >= 2 * GRID, which this guard keeps (the
             # default split_threshold implies it: no extra graph).
             grid = smart_split.GRID
