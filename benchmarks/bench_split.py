@@ -28,6 +28,15 @@ the token dimension dynamic instead (the split then uses T // 2). ``--sweep T,..
 forced split points ``T//2 + offset`` (variants ``split:<offset>``) at those T, to compare the
 smart choice with the best swept one.
 
+``--fake-comm``: one GPU, no peers. The process group is PyTorch's fake one (``FakeStore``,
+backend "fake", world size 2, this process is rank 0 and holds rank 0's shard); the fused op runs
+its ``reference`` implementation, whose collectives (like ``default``'s all_reduce) then move
+nothing. What is left is every variant's local work, so the split's own cost (per-half GEMMs,
+attention, launches, the stream joins) is tracked without 2 GPUs: ``split`` against ``fused``
+and ``nocomm``. Writes ``split_fake_<dims>.csv`` / ``.png``::
+
+    python benchmarks/bench_split.py --fake-comm --dims 8b --out benchmarks/results
+
 Timing: warm-up, then ``--repeats`` x (barrier, CUDA events around ``--iters`` back-to-back
 forward calls), median per call, max over ranks, divided by the layer count (the embedding's
 gather and the final norm are included, amortized). Rank 0 writes ``split_<dims>.csv`` (after
@@ -63,8 +72,15 @@ def build(dims: str, layers: int, comm: bool, dev):
                       device=dev)
 
 
-def setup() -> tuple[int, torch.device]:
-    """NCCL process group from torchrun's environment; this rank's GPU."""
+def setup(fake_comm: bool = False) -> tuple[int, torch.device]:
+    """NCCL process group from torchrun's environment, or the fake one of world size 2 on one
+    GPU (``--fake-comm``); this rank's GPU."""
+    if fake_comm:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+        torch.cuda.set_device(0)
+        return 0, torch.device("cuda", 0)
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
@@ -85,18 +101,20 @@ def main() -> None:
     ap.add_argument("--comm-ctas", type=int, default=32)
     ap.add_argument("--mode", default="reduce-overhead", help="torch.compile mode for every variant "
                     "('default': no CUDA graphs, launch-bound below ~8K tokens)")
+    ap.add_argument("--fake-comm", action="store_true", help="one GPU, fake process group of 2 ranks: "
+                    "collectives move nothing, the fused op runs kernel='reference' (the split's own cost)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
 
-    rank, dev = setup()
+    rank, dev = setup(args.fake_comm)
     import weave_compile
 
     meta = dict(run_meta(dev), world_size=dist.get_world_size(),
                 dims=args.dims, layers=args.layers)
     rows = []
-    tw = {"comm_ctas": args.comm_ctas}
+    tw = {"comm_ctas": args.comm_ctas, **({"kernel": "reference"} if args.fake_comm else {})}
     mode = None if args.mode == "default" else args.mode
     meta["mode"] = args.mode
     dynamic = True if args.dynamic else False
@@ -107,7 +125,8 @@ def main() -> None:
             torch._dynamo.mark_dynamic(x, 1)
         return x
 
-    name = f"split_{args.dims}"
+    name = f"split_fake_{args.dims}" if args.fake_comm else f"split_{args.dims}"
+    meta["mode"] = args.mode + (" fake-comm" if args.fake_comm else "")
     path = os.path.join(args.out, name + ".csv")
     sweep_ts = {int(v) for v in args.sweep.split(",") if v}
     variants = args.variants.split(",") + [f"split:{o}" for o in args.sweep_offsets.split(",") if sweep_ts]
@@ -139,6 +158,8 @@ def main() -> None:
             if kind == "split":
                 text = weave_compile.explain().graphs[-1].split.describe()
                 at = text.split(" at ")[1].split(" (")[0].split(":")[0] if " at " in text else "unsplit"
+                if rank == 0:
+                    print("  ", text[:300], flush=True)
             rows.append({**meta, "T": t, "variant": variant, "split_at": at, "ms_per_layer": f"{ms:.4f}"})
             if rank == 0:
                 print(f"{variant:12s} T={t:6d} split_at={at}: {ms:.4f} ms/layer", flush=True)

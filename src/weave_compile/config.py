@@ -15,6 +15,7 @@ from typing import Any, Literal, get_args, get_type_hints
 
 KernelChoice = Literal["auto", "reference", "p2p", "multimem", "oneshot", "ce", "nccl"]
 Compiler = Literal["inductor", "aot_eager"]
+SplitCost = Literal["measured", "formula"]
 Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
 
@@ -49,8 +50,11 @@ class TokenWeaveConfig:
     split_threshold: int = 1024
     #: Prefix length to use instead of the computed smart split (0: computed). For sweeps.
     split_at: int = 0
-    #: SM count the smart split plans GEMM waves for (0: the device's; 132 off-GPU).
+    #: SM count the SM formula plans GEMM waves for (0: the device's; 132 off-GPU).
     num_sms: int = 0
+    #: What the smart split's GEMM times come from: ``measured`` (cuBLAS timed at compile time on
+    #: the GPU, cached on disk; the SM formula off-GPU) or ``formula`` (the SM-count formula).
+    split_cost: SplitCost = "measured"
     #: Inductor's mode, for when ``options=`` are given (torch.compile refuses ``mode=`` with
     #: them): "reduce-overhead" records CUDA graphs.
     mode: Mode = "default"

@@ -1,9 +1,12 @@
 """Where the token split cuts: the split dimension's two sizes, from the smart split or forced.
 
-With a static token count the prefix length comes from :func:`weave_compile.smart_split.choose_split`,
-given the GEMM shapes and attention width found in this graph and the device's SM count. With a
-symbolic count the halves are equal (``T // 2``, evaluated by the compiled code per call). A
-batch split (``[B, S, H]`` with ``B >= 2``) cuts whole sequences.
+With a static token count the prefix length comes from :func:`weave_compile.smart_split.plan`:
+the layer time with overlap, on cuBLAS curves of this graph's GEMM shapes measured on the GPU at
+compile time (the SM formula off-GPU or with ``split_cost="formula"``), its prediction recorded
+for explain(). With a symbolic count the compiled code evaluates a tile-aligned near-half per call,
+``((T // 2 + 63) // 64) * 64`` (:func:`weave_compile.smart_split.near_half`; ``T // 2`` where
+fewer than 128 tokens can reach the graph). A batch split (``[B, S, H]`` with ``B >= 2``) cuts
+whole sequences.
 """
 
 from __future__ import annotations
@@ -46,10 +49,11 @@ class Plan:
     split_at: str  # for the report: where and why there
 
 
-def layer_shape(graph: fx.Graph, rows, device: torch.device,
-                config: TokenWeaveConfig) -> tuple[smart_split.LayerShape, int]:
-    """The GEMMs over the token rows and the attention width in ``graph``; the SM count."""
-    gemm_n, gemm_k, attn_width = [], [], 0
+def layer_shape(graph: fx.Graph, x: torch.Tensor, sites: int) -> tuple[smart_split.LayerShape, torch.dtype]:
+    """The GEMMs over the token rows and the attention width in ``graph``, the fused op's row width
+    (``x``, its input) and site count; the GEMMs' dtype."""
+    gemm_n, gemm_k, attn_width, dtype = [], [], 0, None
+    rows = prod(x.shape[:-1])
     for n in graph.nodes:
         if is_call(n, aten.mm.default, aten.addmm.default):
             a, b = (n.args[0], n.args[1]) if n.target == aten.mm.default else (n.args[1], n.args[2])
@@ -58,14 +62,15 @@ def layer_shape(graph: fx.Graph, rows, device: torch.device,
                     and all(isinstance(d, int) for d in tb.shape)):
                 gemm_k.append(int(tb.shape[0]))
                 gemm_n.append(int(tb.shape[1]))
+                dtype = dtype or ta.dtype
         elif is_call(n, *ATTENTION_OPS):
             q = val(n.args[0])
             if all(isinstance(d, int) for d in q.shape[1:]):
                 attn_width += int(q.shape[1] * q.shape[3])
-    num_sms = config.num_sms or (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda" else smart_split.DEFAULT_NUM_SMS)
-    return smart_split.LayerShape(gemms=tuple(zip(gemm_n, gemm_k)), attn_width=attn_width), num_sms
+    hidden = x.shape[-1] if isinstance(x.shape[-1], int) else 0
+    layer = smart_split.LayerShape(gemms=tuple(zip(gemm_n, gemm_k)), attn_width=attn_width, hidden=hidden,
+                                   elem_bytes=x.element_size(), sites=sites)
+    return layer, dtype or x.dtype
 
 
 def make_plan(rw: Rewriter) -> Plan:
@@ -78,14 +83,15 @@ def make_plan(rw: Rewriter) -> Plan:
         return Plan((b, total - b), total, f"a batch of {total} sequences",
                     f"{b} sequences" + (" (forced)" if config.split_at else " (half)"))
     if isinstance(total, int):
-        rows = prod(val(anchor).shape[:-1])
-        s = smart_split.choose_split(total, *layer_shape(rw.graph, rows, rw.device, config), config.split_at)
-        return Plan((s, total - s), total, f"{total} tokens",
-                    str(s) + (" (forced)" if config.split_at else " (smart split)"))
+        layer, dtype = layer_shape(rw.graph, val(anchor), len(rw.fused))
+        choice = smart_split.plan(total, layer, forced=config.split_at, cost=config.split_cost, device=rw.device,
+                                  dtype=dtype, num_sms=config.num_sms,
+                                  group_name=named_args(rw.fused[0])["group_name"])
+        return Plan((choice.at, total - choice.at), total, f"{total} tokens", choice.describe())
     # Symbolic sequence length: one graph for every length, so the split point must be an
     # expression of it that the compiled code evaluates per call. A data-dependent split
     # point (an unbacked size from a custom op) was tried: Inductor then cannot decide
-    # attention's input layouts. So: equal halves, T // 2.
+    # attention's input layouts. So: the tile-aligned near-half, as size arithmetic.
     if config.split_at and not guard_bool(total > config.split_at):
         raise NotSplit(f"forced split_at={config.split_at} >= the token count (guarded)")
     graph = rw.graph
@@ -95,9 +101,18 @@ def make_plan(rw: Rewriter) -> Plan:
         if config.split_at:
             s_node = config.split_at
             split_at = f"{s_node} (forced)"
+        elif guard_bool(seq_node.meta["val"] >= 2 * smart_split.GRID):
+            # smart_split.near_half: in [1, T - 1] for T >= 2 * GRID, which this guard keeps (the
+            # default split_threshold implies it: no extra graph).
+            grid = smart_split.GRID
+            half = rw.mk(operator.floordiv, (seq_node, 2))
+            up = rw.mk(operator.floordiv, (rw.mk(operator.add, (half, grid - 1)), grid))
+            s_node = rw.mk(operator.mul, (up, grid))
+            split_at = (f"run time: ((T // 2 + {grid - 1}) // {grid}) * {grid} (tile-aligned near-half; "
+                        "the measured smart split needs a static T)")
         else:
             s_node = rw.mk(operator.floordiv, (seq_node, 2))
-            split_at = "run time: T // 2 (equal halves; the wave- and attention-aware smart split needs a static T)"
+            split_at = "run time: T // 2 (equal halves; fewer than 128 tokens can reach this graph)"
     with graph.inserting_after(s_node if isinstance(s_node, fx.Node) else seq_node):
         rest = rw.mk(operator.sub, (seq_node, s_node))
     tokens = "a symbolic batch" if rw.split_dim == 0 else "a symbolic token count"

@@ -105,11 +105,28 @@ class Rewriter:
             log.info("tokenweave: split region ends at %s (%s): %s", n.name, n.target, why)
         # Until scheduled, a wait may name a start placed after it (see schedule.pin_order).
         schedule.schedule(self.graph, self.wait_of)
+        self._erase_replaced(original)
         self.graph.eliminate_dead_code()
         self.summary.applied = True
         self.summary.halves = sum(1 for n in self.graph.nodes if n.meta.get(HALF_KEY) == 0)
         sites = [s.meta.get(SITE_KEY) for s in self.starts]
         self.summary.sites = list(dict.fromkeys(s for s in sites if s is not None))
+
+    def _erase_replaced(self, original: list[fx.Node]) -> None:
+        """Erase every op the halves replaced, whatever its side-effect flag.
+
+        ``eliminate_dead_code`` keeps impure ops, and ``wait_tensor`` is registered as one: the
+        whole-batch wait of an unfused collective (the lm_head's all_gather of a Hugging Face
+        ``tp_plan`` model) kept its collective and the whole unsplit forward upstream of it alive
+        beside the two halves. A replaced op has no reader left (every reader was itself replaced
+        or reads the halves concatenated), so it goes, readers first.
+        """
+        erased = 0
+        for n in reversed(original):
+            if n in self.env and not n.users:
+                self.graph.erase_node(n)
+                erased += 1
+        log.debug("tokenweave: split erased %d replaced whole-batch op(s)", erased)
 
     def _make_whole(self, n: fx.Node) -> None:
         def whole(a):
