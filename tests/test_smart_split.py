@@ -184,7 +184,7 @@ def _ranks_disagree(rank, world_size):
 def test_every_rank_takes_rank_0s_measured_choice():
     from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
 
-    (a0, src0, own0), (a1, src1, own1) = assert_ranks_ok(run_ranks(_ranks_disagree, 2, timeout=120))
+    (a0, src0, own0), (a1, src1, own1) = assert_ranks_ok(run_ranks(_ranks_disagree, 2, timeout=300))
     assert own0 != own1  # the two ranks' own choices differ...
     assert a0 == a1 == own0  # ...and both use rank 0's
     assert src0 == "measured curve" and src1 == "measured curve (rank 0's)"
