@@ -23,6 +23,7 @@ import sys
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from weave_compile import agreement
 from weave_compile import report as report_mod
 from weave_compile.config import TokenWeaveConfig
 
@@ -36,6 +37,8 @@ class WeavePassManager(CustomGraphPass):
         self.config = config
         self.compiler = compiler
         self.graph_reports: list[report_mod.GraphReport] = []
+        #: per post-grad graph, its communication per group, for the ranks' first-call check
+        self.comm_plans: list[dict] = []
 
     def __call__(self, graph: fx.Graph) -> None:
         report = report_mod.new_graph(self.compiler)
@@ -46,6 +49,8 @@ class WeavePassManager(CustomGraphPass):
         if self.config.shard_residual:
             shard_residual.ShardResidualPass()(graph, report)
         graph.lint()
+        # Only a rewriting run can make ranks' collectives differ; fuse=False is plain Inductor.
+        self.comm_plans.append(agreement.plan(graph) if self.config.fuse else {})
         after = _count_ops(graph)
         report.op_counts = {k: (before[k], after[k]) for k in before}
         log.debug("tokenweave: post-pass graph\n%s", graph)

@@ -25,6 +25,7 @@ import operator
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from weave_compile.agreement import group_ranks
 from weave_compile.report import GraphReport
 
 import torch
@@ -38,7 +39,7 @@ _FUSED = (FUSED_OP, torch.ops.weave.allreduce_add_rmsnorm_start.default)
 _WAIT = torch.ops.weave.comm_wait.default
 
 # Argument positions in weave::allreduce_add_rmsnorm's schema.
-_X, _RESIDUAL, _IN_SHARDED, _OUT_SHARDED = 0, 1, 10, 11
+_X, _RESIDUAL, _GROUP, _IN_SHARDED, _OUT_SHARDED = 0, 1, 5, 10, 11
 
 
 def _residual_item(fused: fx.Node):
@@ -51,6 +52,40 @@ def _same_rows(a: fx.Node, b: fx.Node) -> bool:
     return ta.dim() == tb.dim() and all(statically_known_true(p == q) for p, q in zip(ta.shape, tb.shape))
 
 
+def _why_not_sharded(fused: fx.Node, item, readers: list[fx.Node]):
+    """None when every reader provably reads this rank's rows of ``item`` as its own shard; else why not.
+
+    A shard is rows ``[p*S, (p+1)*S)`` of the padded residual, ``p`` this rank's position in the
+    group and ``S = ceil(T / N)``. The reader owns the same rows only if its group lists the same
+    global ranks in the same order (so ``p`` and ``N`` agree: comparing group names is not enough,
+    two names can hold the same ranks and a 2-D mesh's row and column groups share members) and
+    its ``x`` has the same shape (same ``T``, hence the same ``S`` and padding). The test must give
+    the same answer on every rank of the group, or ranks would disagree on whether the producer
+    gathers: rank lists are the same on every member, ``p`` is not, so ``p`` is never compared alone.
+    """
+    if not readers:
+        return None
+    if item is None:
+        return None
+    others = sorted({str(r.target) for r in readers if not is_call(r, *_FUSED)})
+    if others:
+        return ", ".join(others)
+    for r in readers:
+        if r.args[_RESIDUAL] is not item or item in (r.args[:_RESIDUAL] + r.args[_RESIDUAL + 1:]):
+            return f"{r.name} as another operand than its residual"
+        if not _same_rows(r.args[_X], fused.args[_X]):
+            return f"{r.name}, a fused site of another shape ({_shape(r.args[_X])} vs {_shape(fused.args[_X])})"
+        mine, theirs = group_ranks(fused.args[_GROUP]), group_ranks(r.args[_GROUP])
+        if mine != theirs:
+            return (f"{r.name}, a fused site over ranks {list(theirs)} while this site reduces over "
+                    f"{list(mine)}: the ranks own different rows there")
+    return None
+
+
+def _shape(node: fx.Node) -> list:
+    return list(val(node).shape)
+
+
 class ShardResidualPass:
     def __call__(self, graph: fx.Graph, report: GraphReport) -> None:
         fused_nodes = [n for n in graph.nodes if is_call(n, *_FUSED)]
@@ -59,15 +94,9 @@ class ShardResidualPass:
         for fused in fused_nodes:
             item = _residual_item(fused)
             readers = [u for u in item.users if not is_call(u, _WAIT)] if item is not None else []
-            ok = all(
-                is_call(r, *_FUSED) and r.args[_RESIDUAL] is item
-                and item not in (r.args[:_RESIDUAL] + r.args[_RESIDUAL + 1:])
-                and _same_rows(r.args[_X], fused.args[_X])
-                for r in readers
-            )
-            if not ok:
-                others = sorted({str(r.target) for r in readers if not is_call(r, *_FUSED)})
-                kept_full[fused] = ", ".join(others) or "a fused site of another shape"
+            why = _why_not_sharded(fused, item, readers)
+            if why is not None:
+                kept_full[fused] = why
                 continue
             fused.args = _with(fused.args, _OUT_SHARDED, True)
             changed.add(fused)
