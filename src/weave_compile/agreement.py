@@ -77,7 +77,7 @@ def plan(graph: fx.Graph) -> dict[Ranks, list[str]]:
         bound = dict(zip((a.name for a in schema.arguments), node.args))
         bound.update(node.kwargs)
         ranks = group_ranks(bound["group_name"])
-        parts = [f"{name}={_describe(v)}" for name, v in bound.items() if name != "group_name"]
+        parts = [f"{name}={_describe(v)}" for name, v in bound.items() if name != "group_name" and v is not None]
         out.setdefault(ranks, []).append(f"{schema.name}({', '.join(parts)})")
     return out
 
@@ -147,7 +147,7 @@ class _Exchange:
                 if time.monotonic() > deadline:
                     raise RankDisagreement(
                         f"tokenweave: rank(s) {missing} of process group {list(self.ranks)} did not compile "
-                        f"a graph with the same communication as rank {me}'s {self.what} within "
+                        f"a graph with the same communication as {self.what} on rank {me} within "
                         f"{timeout_s:.0f} s (the process group's timeout): they are still compiling, or "
                         f"the ranks compiled different graphs. Rank {me} has {self.summary}. " + REMEDY)
                 time.sleep(pause)
@@ -162,7 +162,7 @@ class _Exchange:
         if theirs.startswith(_FAILED):
             raise RankDisagreement(
                 f"tokenweave: rank {theirs[1:]} of process group {list(self.ranks)} found that the ranks "
-                f"compiled different graphs; rank {me} stops before its {self.what} runs a collective. "
+                f"compiled different graphs; rank {me} stops before {self.what} runs a collective. "
                 f"Rank {me} has {self.summary}. " + REMEDY)
         if theirs and theirs != mine and not store.check([f"has/{theirs}/{me}"]):
             # A deadlock, not a delay: p waits for a graph this rank never compiled, this rank for
@@ -188,7 +188,7 @@ def check_at_first_call(compiled: Callable, plans: list[dict[Ranks, list[str]]],
     merged = {ranks: ops for ranks, ops in merge(plans).items() if len(ranks) > 1}
     if not merged:
         return compiled
-    what = f"graph {graph_id}" if graph_id is not None else "this graph"
+    what = f"graph {graph_id}" if graph_id is not None else "the graph"
     state: dict[str, Any] = {"done": False, "error": None}
 
     def checked(*args, **kwargs):

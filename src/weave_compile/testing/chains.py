@@ -25,12 +25,20 @@ class SiteChain(nn.Module):
     """``len(groups)`` sites; site ``i`` all-reduces over ``groups[i]`` (a ProcessGroup, or None for WORLD).
 
     ``forward(x, residual)`` returns the last site's normed output, and with ``leak_at=i`` also
-    ``3 * residual`` after site ``i`` (a reader that is not a fused site).
+    ``3 * residual`` after site ``i`` (a reader that is not a fused site). ``diverge_on_rank=r``
+    makes rank ``r`` alone do what users do by accident, after site 0:
+    ``"break"`` stores a statistic on the module with ``.item()`` (a graph break on that rank only),
+    ``"count"`` counts calls in a module attribute (a guard that recompiles an identical graph on
+    that rank only).
     """
 
     def __init__(self, hidden: int, groups: Sequence[Optional[dist.ProcessGroup]], *, seed: int = 0,
-                 bias: bool = False, leak_at: Optional[int] = None):
+                 bias: bool = False, leak_at: Optional[int] = None, diverge_on_rank: Optional[int] = None,
+                 diverge: str = "break"):
         super().__init__()
+        self.diverging = dist.is_initialized() and dist.get_rank() == diverge_on_rank
+        self.diverge = diverge
+        self.calls = 0
         g = torch.Generator().manual_seed(seed)
         self.groups = list(groups)
         self.leak_at = leak_at
@@ -42,18 +50,29 @@ class SiteChain(nn.Module):
         self.register_buffer("share", torch.tensor([_share(grp) for grp in self.groups]), persistent=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor):
-        leaked = None
-        for i, group in enumerate(self.groups):
-            y = (x @ self.w[i].to(x.dtype)) * self.share[i].to(x.dtype)
-            dist.all_reduce(y, group=group)
-            if self.b is not None:
-                y = y + self.b[i].to(y.dtype)
-            residual = residual + y
-            if i == self.leak_at:
-                leaked = residual * 3
-            hf = residual.float()
-            x = self.nw[i].to(x.dtype) * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        x, residual, leaked = self._site(0, x, residual, None)
+        # Outside the loop below: a graph break inside a loop makes Dynamo run the whole frame
+        # eagerly, here the breaking rank compiles two graphs where the others compile one.
+        if self.diverging:
+            if self.diverge == "break":
+                self.stat = residual.abs().max().item()
+            else:
+                self.calls += 1
+        for i in range(1, len(self.groups)):
+            x, residual, leaked = self._site(i, x, residual, leaked)
         return x if self.leak_at is None else (x, leaked)
+
+    def _site(self, i: int, x: torch.Tensor, residual: torch.Tensor, leaked):
+        y = (x @ self.w[i].to(x.dtype)) * self.share[i].to(x.dtype)
+        dist.all_reduce(y, group=self.groups[i])
+        if self.b is not None:
+            y = y + self.b[i].to(y.dtype)
+        residual = residual + y
+        if i == self.leak_at:
+            leaked = residual * 3
+        hf = residual.float()
+        x = self.nw[i].to(x.dtype) * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        return x, residual, leaked
 
 
 def _share(group: Optional[dist.ProcessGroup]) -> float:
