@@ -7,18 +7,19 @@
 3. ``shard`` (:mod:`.shard_residual`): residuals passed only between fused sites stay sharded.
 
 Split runs after fuse because fused sites delimit its segments; shard runs last because it
-rewrites fused ops only, and per half after a split (each half's residual has its own rows). The manager is an Inductor
-``CustomGraphPass``: its ``uuid()`` hashes every pass's source and the config, so Inductor's
-FX graph cache never serves a graph compiled by other passes or options.
+rewrites fused ops only, and per half after a split (each half's residual has its own rows).
+Each pass returns what it did; the manager assembles the graph's report from that.
+
+The manager is an Inductor ``CustomGraphPass``: its ``uuid()`` combines every pass's uuid, the
+config and the digest of every library module (:func:`.base.sources_digest`), so Inductor's
+FX graph cache never serves a graph compiled by other code or options.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import hashlib
-import inspect
 import logging
-import sys
 
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -26,10 +27,17 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from weave_compile import agreement
 from weave_compile import report as report_mod
 from weave_compile.config import TokenWeaveConfig
+from weave_compile.ops import FUSED_OP, START_OP
 
-from . import fuse_allreduce_rmsnorm, graph_utils, shard_residual, split_tokens
+from . import base, graph_utils
+from .fuse_allreduce_rmsnorm import FuseAllReduceRMSNormPass
+from .shard_residual import ShardResidualPass
+from .split_tokens import SplitTokensPass
 
 log = logging.getLogger(__name__)
+
+#: What the report says of a site whose fused op runs per half.
+SPLIT_SITE = "per half, comm stream"
 
 
 class WeavePassManager(CustomGraphPass):
@@ -39,44 +47,40 @@ class WeavePassManager(CustomGraphPass):
         self.graph_reports: list[report_mod.GraphReport] = []
         #: per post-grad graph, its communication per group, for the ranks' first-call check
         self.comm_plans: list[dict] = []
+        self.fuse = FuseAllReduceRMSNormPass(config)
+        self.split = SplitTokensPass(config)
+        self.shard = ShardResidualPass()
+
+    @property
+    def passes(self) -> list[base.WeavePass]:
+        return [self.fuse, self.split, self.shard]
 
     def __call__(self, graph: fx.Graph) -> None:
         report = report_mod.new_graph(self.compiler)
         self.graph_reports.append(report)
         before = _count_ops(graph)
-        fuse_allreduce_rmsnorm.FuseAllReduceRMSNormPass(self.config)(graph, report)
-        split_tokens.SplitTokensPass(self.config)(graph, report)
-        if self.config.shard_residual:
-            shard_residual.ShardResidualPass()(graph, report)
+        sites = self.fuse(graph)
+        split = self.split(graph)
+        residual = self.shard(graph) if self.config.shard_residual else {}
         graph.lint()
         # Only a rewriting run can make ranks' collectives differ; fuse=False is plain Inductor.
         self.comm_plans.append(agreement.plan(graph) if self.config.fuse else {})
         after = _count_ops(graph)
+        report.sites = [dataclasses.replace(s, residual=residual.get(s.node, s.residual),
+                                            split=SPLIT_SITE if s.node in split.sites else s.split)
+                        for s in sites]
+        report.split = split
         report.op_counts = {k: (before[k], after[k]) for k in before}
         log.debug("tokenweave: post-pass graph\n%s", graph)
 
     def uuid(self) -> str:
-        return hashlib.sha256((_sources_digest() + self.config.cache_key()).encode()).hexdigest()
+        parts = [p.uuid() for p in self.passes] + [self.config.cache_key(), base.sources_digest()]
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 def _count_ops(graph: fx.Graph) -> dict[str, int]:
-    fused = fuse_allreduce_rmsnorm.FUSED_OP
     return {
         "all_reduce": sum(graph_utils.is_call(n, graph_utils.ALL_REDUCE_TARGETS) for n in graph.nodes),
-        "weave.allreduce_add_rmsnorm": sum(graph_utils.is_call(n, fused) for n in graph.nodes),
-        "weave.allreduce_add_rmsnorm_start": sum(graph_utils.is_call(n, split_tokens.START_OP) for n in graph.nodes),
+        "weave.allreduce_add_rmsnorm": sum(graph_utils.is_call(n, FUSED_OP) for n in graph.nodes),
+        "weave.allreduce_add_rmsnorm_start": sum(graph_utils.is_call(n, START_OP) for n in graph.nodes),
     }
-
-
-@functools.lru_cache(maxsize=1)
-def _sources_digest() -> str:
-    from weave_compile.kernels import allreduce_rmsnorm
-
-    h = hashlib.sha256()
-    from weave_compile import smart_split
-    from weave_compile.kernels import causal_suffix_attention
-
-    for mod in (sys.modules[__name__], fuse_allreduce_rmsnorm, shard_residual, split_tokens, graph_utils,
-                allreduce_rmsnorm, smart_split, causal_suffix_attention):
-        h.update(inspect.getsource(mod).encode())
-    return h.hexdigest()

@@ -13,8 +13,8 @@ layer, so nothing is gathered, and each rank adds and stores 1/N of the residual
 The split pass's per-half ``weave.allreduce_add_rmsnorm_start`` ops are treated the same (their
 ``weave.comm_wait`` reads only order and hold memory, they do not use the values).
 
-A residual read by anything else (the model's output, a non-fused op) stays full: the producing
-op gathers it. A residual nobody reads (the last layer) is left sharded, which skips its gather.
+A residual read by anything else (the model's output, a non-fused op, a fused site over other
+ranks or of another shape) stays full: the producing op gathers it. A residual nobody reads (the last layer) is left sharded, which skips its gather.
 """
 
 from __future__ import annotations
@@ -26,20 +26,15 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from weave_compile.agreement import group_ranks
-from weave_compile.report import GraphReport
+from weave_compile.ops import FUSED_OP, START_OP, WAIT_OP
 
-import torch
-
-from .fuse_allreduce_rmsnorm import FUSED_OP
-from .graph_utils import fake_mode_of, is_call, val
+from .base import WeavePass
+from .fuse_allreduce_rmsnorm import SITE_KEY
+from .graph_utils import fake_mode_of, is_call, named_args, replace_args, set_fake_val, val
 
 log = logging.getLogger(__name__)
 
-_FUSED = (FUSED_OP, torch.ops.weave.allreduce_add_rmsnorm_start.default)
-_WAIT = torch.ops.weave.comm_wait.default
-
-# Argument positions in weave::allreduce_add_rmsnorm's schema.
-_X, _RESIDUAL, _GROUP, _IN_SHARDED, _OUT_SHARDED = 0, 1, 5, 10, 11
+_FUSED = (FUSED_OP, START_OP)
 
 
 def _residual_item(fused: fx.Node):
@@ -52,33 +47,31 @@ def _same_rows(a: fx.Node, b: fx.Node) -> bool:
     return ta.dim() == tb.dim() and all(statically_known_true(p == q) for p, q in zip(ta.shape, tb.shape))
 
 
-def _why_not_sharded(fused: fx.Node, item, readers: list[fx.Node]):
+def _why_not_sharded(producer: fx.Node, item, readers: list[fx.Node]):
     """None when every reader provably reads this rank's rows of ``item`` as its own shard; else why not.
 
     A shard is rows ``[p*S, (p+1)*S)`` of the padded residual, ``p`` this rank's position in the
     group and ``S = ceil(T / N)``. The reader owns the same rows only if its group lists the same
     global ranks in the same order (so ``p`` and ``N`` agree: comparing group names is not enough,
-    two names can hold the same ranks and a 2-D mesh's row and column groups share members) and
-    its ``x`` has the same shape (same ``T``, hence the same ``S`` and padding). The test must give
-    the same answer on every rank of the group, or ranks would disagree on whether the producer
-    gathers: rank lists are the same on every member, ``p`` is not, so ``p`` is never compared alone.
+    two names can hold the same ranks, and a 2-D mesh's row and column groups share members) and
+    its ``x`` has the same shape (same ``T``, hence the same ``S`` and padding). The answer must be
+    the same on every rank of the group, or ranks would disagree on whether the producer gathers:
+    the rank lists are the same on every member, ``p`` is not, so ``p`` is never compared alone.
     """
-    if not readers:
-        return None
-    if item is None:
-        return None
     others = sorted({str(r.target) for r in readers if not is_call(r, *_FUSED)})
     if others:
         return ", ".join(others)
+    mine = named_args(producer)
     for r in readers:
-        if r.args[_RESIDUAL] is not item or item in (r.args[:_RESIDUAL] + r.args[_RESIDUAL + 1:]):
+        args = named_args(r)
+        if args["residual"] is not item or item in [v for k, v in args.items() if k != "residual"]:
             return f"{r.name} as another operand than its residual"
-        if not _same_rows(r.args[_X], fused.args[_X]):
-            return f"{r.name}, a fused site of another shape ({_shape(r.args[_X])} vs {_shape(fused.args[_X])})"
-        mine, theirs = group_ranks(fused.args[_GROUP]), group_ranks(r.args[_GROUP])
-        if mine != theirs:
+        if not _same_rows(args["x"], mine["x"]):
+            return f"{r.name}, a fused site of another shape ({_shape(args['x'])} vs {_shape(mine['x'])})"
+        ours, theirs = group_ranks(mine["group_name"]), group_ranks(args["group_name"])
+        if ours != theirs:
             return (f"{r.name}, a fused site over ranks {list(theirs)} while this site reduces over "
-                    f"{list(mine)}: the ranks own different rows there")
+                    f"{list(ours)}: the ranks own different rows there")
     return None
 
 
@@ -86,37 +79,41 @@ def _shape(node: fx.Node) -> list:
     return list(val(node).shape)
 
 
-class ShardResidualPass:
-    def __call__(self, graph: fx.Graph, report: GraphReport) -> None:
+class ShardResidualPass(WeavePass):
+    """Returns each fused site's residual label (site id -> "full" / "in sharded" / ...)."""
+
+    def __call__(self, graph: fx.Graph) -> dict[str, str]:
         fused_nodes = [n for n in graph.nodes if is_call(n, *_FUSED)]
         kept_full: dict[fx.Node, str] = {}
         changed: set[fx.Node] = set()
         for fused in fused_nodes:
             item = _residual_item(fused)
-            readers = [u for u in item.users if not is_call(u, _WAIT)] if item is not None else []
+            readers = [u for u in item.users if not is_call(u, WAIT_OP)] if item is not None else []
             why = _why_not_sharded(fused, item, readers)
             if why is not None:
                 kept_full[fused] = why
                 continue
-            fused.args = _with(fused.args, _OUT_SHARDED, True)
+            replace_args(fused, residual_out_sharded=True)
             changed.add(fused)
             for r in readers:
-                r.args = _with(r.args, _IN_SHARDED, True)
+                replace_args(r, residual_in_sharded=True)
                 changed.add(r)
         fake_mode = fake_mode_of(graph) if changed else None
+        labels: dict[str, str] = {}
         for node in fused_nodes:
             if node in changed:  # new flags, new output shapes
-                args = tuple(val(a) if isinstance(a, fx.Node) else a for a in node.args)
-                with fake_mode:
-                    node.meta["val"] = node.target(*args)
+                set_fake_val(node, fake_mode)
                 for u in node.users:
                     if is_call(u, operator.getitem):
-                        u.meta["val"] = node.meta["val"][u.args[1]]
-            site = node.meta.get("weave_site")
+                        set_fake_val(u, fake_mode)
+            site = node.meta.get(SITE_KEY)
             if site is not None:
-                site.residual = _label(node.args[_IN_SHARDED], node.args[_OUT_SHARDED], kept_full.get(node))
+                args = named_args(node)
+                labels[site] = _label(args["residual_in_sharded"], args["residual_out_sharded"],
+                                      kept_full.get(node))
         if changed:
             log.info("tokenweave: residual sharded across %d fused sites", len(changed))
+        return labels
 
 
 def _label(in_sharded: bool, out_sharded: bool, full_reason) -> str:
@@ -125,7 +122,3 @@ def _label(in_sharded: bool, out_sharded: bool, full_reason) -> str:
     if full_reason is not None:
         label = ("in sharded, out " if in_sharded else "") + f"full (read by {full_reason})"
     return label
-
-
-def _with(args: tuple, pos: int, value) -> tuple:
-    return args[:pos] + (value,) + args[pos + 1:]

@@ -1,18 +1,16 @@
-"""The reference implementation of weave::allreduce_add_rmsnorm on 2 gloo ranks vs a float64 oracle."""
+"""weave::allreduce_add_rmsnorm (reference implementation) and its async form on 2 gloo ranks vs the float64 oracle."""
 
 import itertools
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from weave_compile.testing.numerics import REL_TOL, rel_err
-from weave_compile.kernels.allreduce_rmsnorm import (
-    allreduce_add_rmsnorm,
-    allreduce_add_rmsnorm_ref,
-    rows_per_rank,
-)
+from weave_compile.ops import ARG_NAMES, FUSED_OP, START_OP, WAIT_OP, allreduce_add_rmsnorm, allreduce_add_rmsnorm_ref
+from weave_compile.ops.reference import rows_per_rank
 from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
+from weave_compile.testing.numerics import REL_TOL, rel_err
 
 WORLD = 2
 CASES = [
@@ -44,9 +42,15 @@ def _scale(case):
     return torch.tensor(3.5) if case[5] == "scaled" else None
 
 
-def _run_cases(rank, world_size, seed):
-    from weave_compile.kernels.allreduce_rmsnorm import allreduce_add_rmsnorm as op
+def _mid(case):
+    return case[2] if case[5] == "w_mid" else None
 
+
+def _offset(case):
+    return 1.0 if case[5] == "gemma" else 0.0
+
+
+def _run_cases(rank, world_size, seed):
     outs = []
     for i, case in enumerate(CASES):
         T, H, dtype, _, _, wmode, in_sh, out_sh = case
@@ -55,9 +59,11 @@ def _run_cases(rank, world_size, seed):
         if in_sh and residual is not None:
             padded = torch.nn.functional.pad(residual, (0, 0, 0, per * world_size - T))
             residual = padded[rank * per:(rank + 1) * per].clone()
-        normed, res = op(partials[rank], residual, bias, weight, 1e-5, "0", dtype, dtype,
-                         dtype if wmode == "w_mid" else None, 1.0 if wmode == "gemma" else 0.0,
-                         in_sh, out_sh, "reference", 16, _scale(case))
+        normed, res = allreduce_add_rmsnorm(
+            x=partials[rank], residual=residual, bias=bias, weight=weight, eps=1e-5, group_name="0",
+            residual_dtype=dtype, out_dtype=dtype, mid_dtype=_mid(case), weight_offset=_offset(case),
+            residual_in_sharded=in_sh, residual_out_sharded=out_sh, kernel="reference", comm_ctas=16,
+            scale=_scale(case))
         outs.append((normed, res))
     return outs
 
@@ -77,8 +83,8 @@ def test_reference_matches_float64(rank_outputs, idx):
     T, H, dtype, _, _, wmode, in_sh, out_sh = case
     partials, residual, bias, weight = _make(case, seed + idx)
     ref_normed, ref_res = allreduce_add_rmsnorm_ref(partials, residual, bias, weight, eps=1e-5,
-                                                    weight_offset=1.0 if wmode == "gemma" else 0.0,
-                                                    scale=_scale(case))
+                                                    weight_offset=_offset(case), scale=_scale(case),
+                                                    mid_dtype=_mid(case))
     per = rows_per_rank(T, WORLD)
     for rank in range(WORLD):
         normed, res = results[rank][idx]
@@ -95,7 +101,7 @@ def test_reference_matches_float64(rank_outputs, idx):
 
 
 def test_fake_impl_shapes_including_sharded_and_symbolic(monkeypatch):
-    import weave_compile.kernels.allreduce_rmsnorm as mod
+    import weave_compile.ops.allreduce_rmsnorm as mod
 
     monkeypatch.setattr(mod, "group_size", lambda name: 4)
     with FakeTensorMode():
@@ -103,8 +109,10 @@ def test_fake_impl_shapes_including_sharded_and_symbolic(monkeypatch):
         w = torch.empty(16)
         for in_sh, out_sh in itertools.product([False, True], repeat=2):
             residual = torch.empty(4, 16) if in_sh else torch.empty(3, 5, 16)
-            normed, res = allreduce_add_rmsnorm(x, residual, None, w, 1e-6, "g", torch.float32,
-                                                torch.bfloat16, torch.float32, 0.0, in_sh, out_sh, "reference", 8)
+            normed, res = allreduce_add_rmsnorm(
+                x, residual, None, w, eps=1e-6, group_name="g", residual_dtype=torch.float32,
+                out_dtype=torch.bfloat16, mid_dtype=torch.float32, weight_offset=0.0, residual_in_sharded=in_sh,
+                residual_out_sharded=out_sh, kernel="reference", comm_ctas=8)
             assert normed.shape == (3, 5, 16) and normed.dtype == torch.bfloat16
             assert res.dtype == torch.float32
             assert res.shape == ((4, 16) if out_sh else (3, 5, 16))  # ceil(15 / 4) = 4 rows per rank
@@ -112,5 +120,35 @@ def test_fake_impl_shapes_including_sharded_and_symbolic(monkeypatch):
 
 def test_unknown_kernel_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown kernel"):
-        allreduce_add_rmsnorm(torch.randn(2, 8), None, None, None, 1e-6, "0", torch.float32,
-                              torch.float32, None, 0.0, False, False, "nccl", 8)
+        allreduce_add_rmsnorm(torch.randn(2, 8), None, None, None, eps=1e-6, group_name="0",
+                              residual_dtype=torch.float32, out_dtype=torch.float32, mid_dtype=None,
+                              weight_offset=0.0, residual_in_sharded=False, residual_out_sharded=False,
+                              kernel="nccl", comm_ctas=8)
+
+
+def test_one_schema_for_the_fused_op_and_its_async_form():
+    for op in (FUSED_OP, START_OP):
+        assert tuple(a.name for a in op._schema.arguments) == ARG_NAMES
+        assert [str(a.type) for a in op._schema.arguments] == [str(a.type) for a in FUSED_OP._schema.arguments]
+    assert ARG_NAMES[-1] == "scale" and FUSED_OP._schema.arguments[-1].has_default_value()
+    assert [a.name for a in WAIT_OP._schema.arguments] == ["normed", "residual_out", "keep_alive"]
+    assert WAIT_OP._schema.arguments[0].alias_info.is_write  # readers are ordered after it
+
+
+def _start_then_wait(rank, world_size, seed):
+    g = torch.Generator().manual_seed(seed + rank)  # different partial sums per rank
+    x, res, w = torch.randn(7, 16, generator=g), torch.randn(7, 16, generator=g), torch.randn(16, generator=g)
+    dist.broadcast(res, 0)  # the residual and weight agree across ranks (replicated), x does not
+    dist.broadcast(w, 0)
+    args = dict(x=x, residual=res, bias=None, weight=w, eps=1e-6, group_name=dist.group.WORLD.group_name,
+                residual_dtype=torch.float32, out_dtype=torch.float32, mid_dtype=None, weight_offset=0.0,
+                residual_in_sharded=False, residual_out_sharded=False, kernel="reference", comm_ctas=8)
+    normed, res_out = START_OP(**args)
+    WAIT_OP(normed, res_out, [x, res])
+    want = FUSED_OP(**args)
+    return torch.equal(normed, want[0]) and torch.equal(res_out, want[1])
+
+
+def test_start_then_wait_equals_the_fused_op_on_cpu(seed):
+    """On CPU start computes synchronously and wait is a no-op."""
+    assert all(assert_ranks_ok(run_ranks(_start_then_wait, 2, args=(seed,), timeout=120)))
