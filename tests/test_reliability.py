@@ -154,17 +154,22 @@ def test_three_ranks_correct(correct_3, name):
 # ----------------------------------------------------------------------------- errors that must be named
 
 
-def _mismatched_shapes(rank, world_size):
-    torch._dynamo.reset()
-    from weave_compile.agreement import RankDisagreement
+def _two_sites(x: torch.Tensor, dynamic=None):
+    """Two fused sites over WORLD, compiled (aot_eager) and called once on ``x``."""
     from weave_compile.testing.chains import SiteChain
 
-    m = SiteChain(H, [None, None])
-    x = torch.randn(8 + 2 * rank, H)  # rank 0: 8 tokens, rank 1: 10
+    with torch.no_grad():
+        return torch.compile(SiteChain(H, [None, None]), backend="tokenweave", dynamic=dynamic,
+                             options={"compiler": "aot_eager"})(x, x.clone())
+
+
+def _mismatched_shapes(rank, world_size):
+    from weave_compile.agreement import RankDisagreement
+
+    torch._dynamo.reset()
     start = time.monotonic()
     try:
-        with torch.no_grad():
-            torch.compile(m, backend="tokenweave", options={"compiler": "aot_eager"}, dynamic=False)(x, x.clone())
+        _two_sites(torch.randn(8 + 2 * rank, H), dynamic=False)  # rank 0: 8 tokens, rank 1: 10
     except RankDisagreement as e:
         return str(e), time.monotonic() - start
     return None, time.monotonic() - start
@@ -186,16 +191,12 @@ class _Injected(RuntimeError):
 
 def _raise_in_fused_op(rank, world_size):
     import weave_compile.ops.allreduce_rmsnorm as op_mod
-    from weave_compile.testing.chains import SiteChain
 
     if rank == 1:
         def broken(*args, **kwargs):
             raise _Injected("injected failure inside the fused op on rank 1")
         op_mod.reference_impl = broken
-    m = SiteChain(H, [None, None])
-    x = torch.randn(8, H)
-    with torch.no_grad():
-        torch.compile(m, backend="tokenweave", options={"compiler": "aot_eager"})(x, x.clone())
+    _two_sites(torch.randn(8, H))
     return "finished"
 
 
@@ -265,13 +266,9 @@ def test_training_fuses_nothing_and_gradients_equal_eager(correct_2):
 
 
 def _mismatched_dynamic_shapes(rank, world_size):
-    from weave_compile.testing.chains import SiteChain
-
-    m = SiteChain(H, [None, None])
     x = torch.randn(8 + 2 * rank, H)
     torch._dynamo.mark_dynamic(x, 0)  # one graph for every T: the ranks' graphs are the same
-    with torch.no_grad():
-        torch.compile(m, backend="tokenweave", options={"compiler": "aot_eager"})(x, x.clone())
+    _two_sites(x)
     return "finished"
 
 

@@ -92,7 +92,10 @@ def _alternating_groups(rank, world_size, options):
 
 @pytest.mark.parametrize("world_size", [4, 3])
 def test_residual_is_gathered_between_sites_over_different_ranks(world_size):
-    """Issue 13: the 2x2 mesh gave max error 1.7, the 3-rank chain a collective size mismatch."""
+    """Issue 13: the 2x2 mesh gave max error 1.7, the 3-rank chain a collective size mismatch.
+
+    The 3-rank chain is also a case of tests/test_reliability.py (it shares ranks with others
+    there); here both are checked with and without sharding and explain()'s reasons."""
     for rank, r in enumerate(assert_ranks_ok(run_ranks(_alternating_groups, world_size, args=({},), timeout=300))):
         for unsharded in (False, True):
             err, residuals = r[unsharded]
