@@ -152,3 +152,50 @@ def _start_then_wait(rank, world_size, seed):
 def test_start_then_wait_equals_the_fused_op_on_cpu(seed):
     """On CPU start computes synchronously and wait is a no-op."""
     assert all(assert_ranks_ok(run_ranks(_start_then_wait, 2, args=(seed,), timeout=120)))
+
+
+def test_symm_kernels_get_every_argument_by_name_and_a_full_workspace_falls_back(monkeypatch, caplog):
+    """The wiring of the CUDA-only path, on CPU with a stand-in for the kernel launcher."""
+    import logging
+
+    import weave_compile.ops.allreduce_rmsnorm as mod
+    from weave_compile.ops.selection import symm_kernels
+
+    symm = symm_kernels()
+
+    calls = []
+
+    def launcher(x, residual, bias, weight, **kw):
+        calls.append((x.shape, residual.shape, bias, weight.shape, kw))
+        return torch.zeros(x.shape), torch.ones(residual.shape)
+
+    monkeypatch.setattr(symm, "fused_allreduce_rmsnorm_symm", launcher)
+    x, res, w = torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.randn(8)
+    a = mod.bind((x, res, None, w), dict(eps=1e-5, group_name="g", residual_dtype=torch.float32,
+                                         out_dtype=torch.bfloat16, mid_dtype=None, weight_offset=1.0,
+                                         residual_in_sharded=False, residual_out_sharded=False,
+                                         kernel="p2p", comm_ctas=4))
+    kernel, ctas = a.pop("kernel"), a.pop("comm_ctas")
+    normed, res_out = mod._symm(kernel, ctas, **a)
+    assert normed.shape == (2, 3, 8) and res_out.shape == (2, 3, 8)  # back to the input's shape
+    (xs, rs, bias, ws, kw), = calls
+    assert xs == (6, 8) and rs == (6, 8) and bias is None and ws == (8,)
+    assert kw == dict(eps=1e-5, group_name="g", residual_dtype=torch.float32, out_dtype=torch.bfloat16,
+                      mid_dtype=None, weight_offset=1.0, residual_in_sharded=False, residual_out_sharded=False,
+                      num_ctas=4, variant="p2p")
+
+    def full(*args, **kw):
+        raise symm.SymmCapacityError("workspace too small during capture")
+
+    monkeypatch.setattr(symm, "fused_allreduce_rmsnorm_symm", full)
+    with caplog.at_level(logging.WARNING, logger=mod.__name__):
+        assert mod._symm(kernel, ctas, **a) is None  # the caller runs the reference instead
+    assert "fell back to reference: workspace too small" in caplog.text
+
+
+def test_the_symm_kernels_take_no_scale():
+    with pytest.raises(ValueError, match="take no scale"):
+        allreduce_add_rmsnorm(torch.randn(2, 8), None, None, None, eps=1e-6, group_name="0",
+                              residual_dtype=torch.float32, out_dtype=torch.float32, mid_dtype=None,
+                              weight_offset=0.0, residual_in_sharded=False, residual_out_sharded=False,
+                              kernel="p2p", comm_ctas=8, scale=torch.tensor(2.0))

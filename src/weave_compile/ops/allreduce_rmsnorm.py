@@ -40,7 +40,7 @@ from typing import Any, Optional
 import torch
 
 from .reference import group_size, num_rows, reference_impl, rows_per_rank
-from .selection import KERNELS, SYMM_KERNELS
+from .selection import KERNELS, SYMM_KERNELS, symm_kernels
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +105,7 @@ def _fused(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
 def _symm(kernel: str, comm_ctas: int, *, x, residual, bias, weight, residual_in_sharded,
           residual_out_sharded, scale, **rest) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """The symmetric-memory kernel, or None where it cannot run now (the reference runs instead)."""
-    from weave_compile.kernels import symm_mem_allreduce_rmsnorm as symm  # TODO(merge): `kernels as symm`
-
+    symm = symm_kernels()
     hidden = x.shape[-1]
     try:
         normed, residual_out = symm.fused_allreduce_rmsnorm_symm(

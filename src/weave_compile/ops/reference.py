@@ -82,22 +82,13 @@ def norm_rows(
     return y.to(out_dtype)
 
 
-def reference_impl(
-    x: torch.Tensor,
-    residual: Optional[torch.Tensor],
-    bias: Optional[torch.Tensor],
-    weight: Optional[torch.Tensor],
-    eps: float,
-    group_name: str,
-    residual_dtype: torch.dtype,
-    out_dtype: torch.dtype,
-    mid_dtype: Optional[torch.dtype],
-    weight_offset: float,
-    residual_in_sharded: bool,
-    residual_out_sharded: bool,
-    scale: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reduce-scatter -> add -> RMSNorm on this rank's rows -> all-gather, with functional collectives."""
+def reference_impl(x, residual, bias, weight, eps, group_name, residual_dtype, out_dtype, mid_dtype, weight_offset,
+                   residual_in_sharded, residual_out_sharded, scale=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reduce-scatter -> add -> RMSNorm on this rank's rows -> all-gather, with functional collectives.
+
+    The op's arguments less ``kernel`` and ``comm_ctas`` (types and meaning:
+    ``weave_compile.ops.allreduce_rmsnorm._arguments``, their one definition).
+    """
     world_size, rank = _group_size_rank(group_name)
     hidden = x.shape[-1]
     rows = x.reshape(-1, hidden)

@@ -15,6 +15,15 @@ KERNELS = ("reference", "p2p", "multimem")
 SYMM_KERNELS = ("p2p", "multimem")
 
 
+def symm_kernels():
+    """The symmetric-memory kernels' public names (``fused_allreduce_rmsnorm_symm``,
+    ``select_symm_variant``, ``check_hidden``, ``SymmCapacityError``, ``reserve``); imported on
+    first use: they need triton. The one place that names their module."""
+    from weave_compile.kernels import symm_mem_allreduce_rmsnorm as symm  # TODO(merge): `kernels as symm`
+
+    return symm
+
+
 def select_kernel(
     requested: str, device: torch.device, dtypes: tuple[torch.dtype, ...], hidden: int, group_name: str
 ) -> tuple[str, str]:
@@ -29,7 +38,7 @@ def select_kernel(
     if device.type != "cuda":
         return "reference", f"{device.type} tensors: only the collective-based reference runs there"
     try:
-        from weave_compile.kernels import symm_mem_allreduce_rmsnorm as symm  # TODO(merge): `kernels as symm`
+        symm = symm_kernels()
     except Exception as e:  # triton or symmetric memory unavailable
         return "reference", f"symmetric-memory kernels unavailable ({type(e).__name__}: {e})"
     variant, reason = symm.select_symm_variant(group_name, device, dtypes[0], hidden)

@@ -40,6 +40,7 @@ import torch.fx as fx
 
 from weave_compile.config import TokenWeaveConfig
 from weave_compile.ops import FUSED_OP, group_size, select_kernel
+from weave_compile.ops.selection import symm_kernels
 from weave_compile.report import SiteReport
 
 from .base import WeavePass
@@ -317,8 +318,7 @@ def _reserve_workspace(group: str, tx: torch.Tensor, residual_dtype: torch.dtype
     mode="reduce-overhead" (which rejects live allocations it does not own). Collective: every
     rank compiles the same graph.
     """
-    from weave_compile.kernels import symm_mem_allreduce_rmsnorm as symm  # TODO(merge): `kernels as symm`
-
+    symm = symm_kernels()
     rows = 1
     for d in tx.shape[:-1]:
         hint = d if isinstance(d, int) else d.node.hint
