@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from weave_compile import agreement
 from weave_compile import report as report_mod
 from weave_compile.config import TokenWeaveConfig
 from weave_compile.passes.pass_manager import WeavePassManager
@@ -46,7 +47,8 @@ def tokenweave_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
 def _compile(gm, example_inputs, config: TokenWeaveConfig, passes: Optional[WeavePassManager],
              inductor_patches: dict[str, Any]):
     if config.compiler == "aot_eager":
-        return _aot_eager(gm, example_inputs, passes)
+        compiled = _aot_eager(gm, example_inputs, passes)
+        return compiled if passes is None else agreement.check_at_first_call(compiled, passes.comm_plans)
     from torch._dynamo.utils import counters
     from torch._inductor.compile_fx import compile_fx
 
@@ -58,6 +60,7 @@ def _compile(gm, example_inputs, config: TokenWeaveConfig, passes: Optional[Weav
                           config_patches={**inductor_patches, "post_grad_custom_post_pass": passes})
     if passes.graph_reports:
         _store_reports(key, passes.graph_reports)
+        agreement.store_plans(_reports_dir, key, passes.comm_plans)
     elif counters["inductor"]["fxgraph_cache_hit"] > hits:
         # The passes did not run: show what they did when this graph was compiled.
         stored = _load_reports(key)
@@ -68,7 +71,8 @@ def _compile(gm, example_inputs, config: TokenWeaveConfig, passes: Optional[Weav
             report_mod.new_graph("inductor", note=(
                 "served from Inductor's FX graph cache: the passes ran when it was first compiled and "
                 "no site list was recorded; set TORCHINDUCTOR_FX_GRAPH_CACHE=0 to see it"))
-    return compiled
+        passes.comm_plans = agreement.load_plans(_reports_dir, key)
+    return agreement.check_at_first_call(compiled, passes.comm_plans)
 
 
 def _report_key(gm, example_inputs, passes: WeavePassManager) -> str:

@@ -24,6 +24,7 @@ import logging
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from weave_compile import agreement
 from weave_compile import report as report_mod
 from weave_compile.config import TokenWeaveConfig
 from weave_compile.ops import FUSED_OP, START_OP
@@ -44,6 +45,8 @@ class WeavePassManager(CustomGraphPass):
         self.config = config
         self.compiler = compiler
         self.graph_reports: list[report_mod.GraphReport] = []
+        #: per post-grad graph, its communication per group, for the ranks' first-call check
+        self.comm_plans: list[dict] = []
         self.fuse = FuseAllReduceRMSNormPass(config)
         self.split = SplitTokensPass(config)
         self.shard = ShardResidualPass()
@@ -60,6 +63,8 @@ class WeavePassManager(CustomGraphPass):
         split = self.split(graph)
         residual = self.shard(graph) if self.config.shard_residual else {}
         graph.lint()
+        # Only a rewriting run can make ranks' collectives differ; fuse=False is plain Inductor.
+        self.comm_plans.append(agreement.plan(graph) if self.config.fuse else {})
         after = _count_ops(graph)
         report.sites = [dataclasses.replace(s, residual=residual.get(s.node, s.residual),
                                             split=SPLIT_SITE if s.node in split.sites else s.split)

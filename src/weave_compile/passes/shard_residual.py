@@ -13,8 +13,8 @@ layer, so nothing is gathered, and each rank adds and stores 1/N of the residual
 The split pass's per-half ``weave.allreduce_add_rmsnorm_start`` ops are treated the same (their
 ``weave.comm_wait`` reads only order and hold memory, they do not use the values).
 
-A residual read by anything else (the model's output, a non-fused op) stays full: the producing
-op gathers it. A residual nobody reads (the last layer) is left sharded, which skips its gather.
+A residual read by anything else (the model's output, a non-fused op, a fused site over other
+ranks or of another shape) stays full: the producing op gathers it. A residual nobody reads (the last layer) is left sharded, which skips its gather.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import operator
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from weave_compile.agreement import group_ranks
 from weave_compile.ops import FUSED_OP, START_OP, WAIT_OP
 
 from .base import WeavePass
@@ -46,14 +47,36 @@ def _same_rows(a: fx.Node, b: fx.Node) -> bool:
     return ta.dim() == tb.dim() and all(statically_known_true(p == q) for p, q in zip(ta.shape, tb.shape))
 
 
-def _reads_as_residual_only(reader: fx.Node, item: fx.Node, producer: fx.Node) -> bool:
-    """``reader`` is a fused op of the producer's rows that reads ``item`` as its residual, only."""
-    if not is_call(reader, *_FUSED):
-        return False
-    args = named_args(reader)
-    others = [v for k, v in args.items() if k != "residual"]
-    return (args["residual"] is item and item not in others
-            and _same_rows(args["x"], named_args(producer)["x"]))
+def _why_not_sharded(producer: fx.Node, item, readers: list[fx.Node]):
+    """None when every reader provably reads this rank's rows of ``item`` as its own shard; else why not.
+
+    A shard is rows ``[p*S, (p+1)*S)`` of the padded residual, ``p`` this rank's position in the
+    group and ``S = ceil(T / N)``. The reader owns the same rows only if its group lists the same
+    global ranks in the same order (so ``p`` and ``N`` agree: comparing group names is not enough,
+    two names can hold the same ranks, and a 2-D mesh's row and column groups share members) and
+    its ``x`` has the same shape (same ``T``, hence the same ``S`` and padding). The answer must be
+    the same on every rank of the group, or ranks would disagree on whether the producer gathers:
+    the rank lists are the same on every member, ``p`` is not, so ``p`` is never compared alone.
+    """
+    others = sorted({str(r.target) for r in readers if not is_call(r, *_FUSED)})
+    if others:
+        return ", ".join(others)
+    mine = named_args(producer)
+    for r in readers:
+        args = named_args(r)
+        if args["residual"] is not item or item in [v for k, v in args.items() if k != "residual"]:
+            return f"{r.name} as another operand than its residual"
+        if not _same_rows(args["x"], mine["x"]):
+            return f"{r.name}, a fused site of another shape ({_shape(args['x'])} vs {_shape(mine['x'])})"
+        ours, theirs = group_ranks(mine["group_name"]), group_ranks(args["group_name"])
+        if ours != theirs:
+            return (f"{r.name}, a fused site over ranks {list(theirs)} while this site reduces over "
+                    f"{list(ours)}: the ranks own different rows there")
+    return None
+
+
+def _shape(node: fx.Node) -> list:
+    return list(val(node).shape)
 
 
 class ShardResidualPass(WeavePass):
@@ -66,9 +89,9 @@ class ShardResidualPass(WeavePass):
         for fused in fused_nodes:
             item = _residual_item(fused)
             readers = [u for u in item.users if not is_call(u, WAIT_OP)] if item is not None else []
-            if not all(_reads_as_residual_only(r, item, fused) for r in readers):
-                others = sorted({str(r.target) for r in readers if not is_call(r, *_FUSED)})
-                kept_full[fused] = ", ".join(others) or "a fused site of another shape"
+            why = _why_not_sharded(fused, item, readers)
+            if why is not None:
+                kept_full[fused] = why
                 continue
             replace_args(fused, residual_out_sharded=True)
             changed.add(fused)
