@@ -35,7 +35,17 @@ def test_auto_takes_the_available_variant(symm):
     # p2p capable, symbolic T: not one-shot; the measured table (world size 2) picks p2p.
     kernel, why = select_kernel("auto", CUDA, BF16, 4096, "g")
     assert kernel == "p2p" and why.startswith("auto: ") and "not one-shot: symbolic token count" in why
+    # A small static T fits the one-shot kernel, but auto waits for its 2-GPU measurement ...
     kernel, why = select_kernel("auto", CUDA, BF16, 4096, "g", num_tokens=64)
+    assert kernel == "p2p" and "auto waits for its 2-GPU measurement" in why
+    # ... and takes it once that is recorded.
+    from weave_compile.kernels import oneshot
+
+    try:
+        oneshot.AUTO_PICKS_ONESHOT = True
+        kernel, why = select_kernel("auto", CUDA, BF16, 4096, "g", num_tokens=64)
+    finally:
+        oneshot.AUTO_PICKS_ONESHOT = False
     assert kernel == "oneshot" and why.startswith("auto: ")
     symm.update(variant="multimem", reason="multicast pointer present")
     assert select_kernel("auto", CUDA, BF16, 4096, "g") == ("multimem", "auto: multicast pointer present")

@@ -94,9 +94,13 @@ from .workspace import SymmCapacityError
 
 log = logging.getLogger(__name__)
 
-#: Provisional crossover (a model over 2x H200 data: benchmarks/NOTES.md, issue 15): ``kernel="auto"`` picks
-#: the one-shot kernel when a static token count's message ``T * H * itemsize`` is at most this.
+#: Provisional crossover (a model over 2x H200 data: benchmarks/NOTES.md, issue 15): the one-shot kernel
+#: fits a static token count whose message ``T * H * itemsize`` is at most this.
 ONESHOT_MAX_BYTES = 4 << 20
+#: Whether ``kernel="auto"`` may pick it where it fits. False until the 2-GPU run (issue 16) has
+#: measured the crossover and checked the protocol across real GPUs: so far it ran correctly on
+#: ranks emulated on one H200 only, and ``auto`` picks no design that was never measured.
+AUTO_PICKS_ONESHOT = False
 NUM_SLOTS = 3
 _REGION_ALIGN = 256
 _STATE_WORDS = 8  # [0] call counter, [1] CTA ticket, [2:5] rows per slot, [5] spin timeouts

@@ -38,7 +38,8 @@ def select_kernel(
 
     ``dtypes`` are the input's, the residual's and the output's; ``num_tokens`` the graph's static
     row count (None when symbolic) and ``split`` whether the token split will run: ``auto`` takes
-    ``multimem`` where multicast exists, the one-shot kernel for a small static T, else looks them
+    ``multimem`` where multicast exists, the one-shot kernel for a small static T once it is
+    measured (``oneshot.AUTO_PICKS_ONESHOT``), else looks them
     up in the measured table (:mod:`weave_compile.kernels.auto_table`). On CUDA this
     rendezvous-es a probe buffer on first use (collective): every rank compiles the same graphs,
     so every rank gets here together.
@@ -68,6 +69,9 @@ def select_kernel(
         from weave_compile.kernels import oneshot
 
         use, why = oneshot.choose(requested, num_tokens, hidden, dtypes[0])
+        if use and requested == "auto" and not oneshot.AUTO_PICKS_ONESHOT:
+            use, why = False, (f"{why} fits, but auto waits for its 2-GPU measurement "
+                               "(force kernel='oneshot' to use it)")
         if use:
             return "oneshot", why if requested == "oneshot" else f"auto: {why}"
         if requested == "auto":
