@@ -29,7 +29,7 @@ class TokenWeaveConfig:
     #: consumer of the residual is the next fused site.
     shard_residual: bool = True
     #: Implementation of the fused op: ``auto`` picks ``multimem`` where multicast exists, else
-    #: ``oneshot`` for a static token count below its crossover, else the fastest design measured for the world size, token count and split among those that can run
+    #: (``oneshot`` waits for its 2-GPU measurement) the fastest design measured for the world size, token count and split among those that can run
     #: (``kernels/auto_table.py``; where nothing was measured, by capability: ``p2p``, else
     #: ``reference``); the others force one: ``p2p``, ``multimem``, ``oneshot`` (barrier-free),
     #: ``ce`` (copy engines + stream-memory-op flags + a few-CTA add+norm), ``nccl`` (NCCL
