@@ -22,21 +22,10 @@ from weave_compile.ops.reference import _all_gather_rows, _group_size_rank, _pad
 
 
 def fused_allreduce_rmsnorm_nccl(
-    x: torch.Tensor,
-    residual: Optional[torch.Tensor],
-    bias: Optional[torch.Tensor],
-    weight: Optional[torch.Tensor],
-    *,
-    eps: float,
-    group_name: str,
-    residual_dtype: torch.dtype,
-    out_dtype: torch.dtype,
-    mid_dtype: Optional[torch.dtype],
-    weight_offset: float,
-    residual_in_sharded: bool,
-    residual_out_sharded: bool,
-    num_ctas: int,
-    scale: Optional[torch.Tensor] = None,
+    x: torch.Tensor, residual: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+    weight: Optional[torch.Tensor], *, eps: float, group_name: str, residual_dtype: torch.dtype,
+    out_dtype: torch.dtype, mid_dtype: Optional[torch.dtype], weight_offset: float,
+    residual_in_sharded: bool, residual_out_sharded: bool, num_ctas: int, scale: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(normed [T, H], residual_out [T, H] or this rank's [S, H] shard)`` for x [T, H]; collective."""
     world_size, rank = _group_size_rank(group_name)
