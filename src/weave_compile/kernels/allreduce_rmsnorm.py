@@ -119,6 +119,7 @@ def reference_impl(
     residual_in_sharded: bool,
     residual_out_sharded: bool,
     scale: Optional[torch.Tensor] = None,
+    eps_tensor: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reduce-scatter -> add -> RMSNorm on this rank's rows -> all-gather, with functional collectives."""
     world_size, rank = _group_size_rank(group_name)
@@ -140,7 +141,8 @@ def reference_impl(
             res_rows = _pad_rows(residual.reshape(-1, hidden), padded)[rank * per_rank : (rank + 1) * per_rank]
         acc = acc + res_rows.float()
     res_shard = acc.to(residual_dtype)
-    normed_shard = norm_rows(res_shard, weight, eps, out_dtype, mid_dtype, weight_offset)
+    normed_shard = norm_rows(res_shard, weight, eps if eps_tensor is None else eps_tensor, out_dtype, mid_dtype,
+                             weight_offset)
 
     if residual_out_sharded:
         normed = _all_gather_rows(normed_shard, group_name, world_size)[:num_rows]
@@ -212,15 +214,22 @@ def allreduce_add_rmsnorm(
     kernel: str,
     comm_ctas: int,
     scale: Optional[torch.Tensor] = None,
+    eps_tensor: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(normed, residual_out)`` of ``all_reduce(x) (*scale) (+bias) (+residual) -> RMSNorm``; see module doc.
 
     ``scale`` (a 0-d tensor, e.g. Gemma's embedding scale) multiplies the reduced sum. Like
     bias, residual and weight it must be the same on every rank (each row is computed on one
     rank). The symmetric-memory kernels do not take it: the pass selects ``reference`` there.
+
+    ``eps_tensor`` (a 0-d tensor), when given, replaces ``eps``: under ``torch.compile(dynamic=True)``
+    Dynamo turns the model's Python-float eps into a graph input. The symmetric-memory kernels
+    read it on the host, so the pass passes them only a CPU one (no device sync).
     """
     args = (x, residual, bias, weight, eps, group_name, residual_dtype, out_dtype, mid_dtype,
-            weight_offset, residual_in_sharded, residual_out_sharded, scale)
+            weight_offset, residual_in_sharded, residual_out_sharded, scale, eps_tensor)
+    if eps_tensor is not None and kernel in ("p2p", "multimem"):
+        eps = float(eps_tensor)
     if scale is not None and kernel in ("p2p", "multimem"):
         raise ValueError("weave::allreduce_add_rmsnorm: the symmetric-memory kernels take no scale")
     if kernel in ("p2p", "multimem") and x.is_cuda:
@@ -255,7 +264,7 @@ def _log_fallback_once(kernel: str, reason: str) -> None:
 
 @allreduce_add_rmsnorm.register_fake
 def _(x, residual, bias, weight, eps, group_name, residual_dtype, out_dtype, mid_dtype,
-      weight_offset, residual_in_sharded, residual_out_sharded, kernel, comm_ctas, scale=None):
+      weight_offset, residual_in_sharded, residual_out_sharded, kernel, comm_ctas, scale=None, eps_tensor=None):
     normed = x.new_empty(x.shape, dtype=out_dtype)
     if residual_out_sharded:
         per_rank = rows_per_rank(_num_rows(x), group_size(group_name))

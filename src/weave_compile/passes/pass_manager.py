@@ -1,5 +1,7 @@
 """Runs the tokenweave passes on Inductor's post-grad graph, in this fixed order:
 
+0. ``merge`` (:mod:`.merge_all_reduces`): ``all_reduce(a) + all_reduce(b)`` over one group becomes
+   one ``all_reduce(a + b)`` (MoE routed + shared experts), so that the fuse pass sees one.
 1. ``fuse``  (:mod:`.fuse_allreduce_rmsnorm`): all_reduce -> (+bias) -> (+residual) -> RMSNorm
    becomes one ``weave::allreduce_add_rmsnorm`` op.
 2. ``split`` (:mod:`.split_tokens`): token prefix/suffix halves, their fused communication on a
@@ -26,7 +28,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from weave_compile import report as report_mod
 from weave_compile.config import TokenWeaveConfig
 
-from . import fuse_allreduce_rmsnorm, graph_utils, shard_residual, split_tokens
+from . import fuse_allreduce_rmsnorm, graph_utils, merge_all_reduces, shard_residual, split_tokens
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,9 @@ class WeavePassManager(CustomGraphPass):
         report = report_mod.new_graph(self.compiler)
         self.graph_reports.append(report)
         before = _count_ops(graph)
+        merges = merge_all_reduces.MergeAllReducesPass(self.config)(graph)
         fuse_allreduce_rmsnorm.FuseAllReduceRMSNormPass(self.config)(graph, report)
+        merge_all_reduces.annotate(report, merges)
         split_tokens.SplitTokensPass(self.config)(graph, report)
         if self.config.shard_residual:
             shard_residual.ShardResidualPass()(graph, report)
@@ -71,7 +75,7 @@ def _sources_digest() -> str:
     from weave_compile import smart_split
     from weave_compile.kernels import causal_suffix_attention
 
-    for mod in (sys.modules[__name__], fuse_allreduce_rmsnorm, shard_residual, split_tokens, graph_utils,
+    for mod in (sys.modules[__name__], merge_all_reduces, fuse_allreduce_rmsnorm, shard_residual, split_tokens, graph_utils,
                 allreduce_rmsnorm, smart_split, causal_suffix_attention):
         h.update(inspect.getsource(mod).encode())
     return h.hexdigest()
