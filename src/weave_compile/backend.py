@@ -34,7 +34,7 @@ def tokenweave_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
 
         inductor_patches = dict(list_mode_options(mode))
     # Registers weave::allreduce_add_rmsnorm before any graph can contain it.
-    import weave_compile.kernels.allreduce_rmsnorm  # noqa: F401
+    import weave_compile.ops  # noqa: F401
 
     if not (dist.is_available() and dist.is_initialized()):
         report_mod.new_graph(config.compiler, note="no process group initialized: passes not run")

@@ -1,8 +1,9 @@
 """Typed options of the ``tokenweave`` backend.
 
 ``torch.compile(model, backend="tokenweave", options={...})`` hands the dict to
-:meth:`TokenWeaveConfig.from_options`, which rejects unknown keys and wrong types with an
-error that lists every valid key: a misspelt option must never be silently ignored.
+:meth:`TokenWeaveConfig.from_options`, which rejects unknown keys with an error that lists
+every valid key (a misspelt option must never be silently ignored), and a wrong type or an
+out-of-range value with an error that names the option, what it accepts and what was given.
 """
 
 from __future__ import annotations

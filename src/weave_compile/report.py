@@ -1,8 +1,10 @@
 """What the backend found and did, for ``weave_compile.explain()``.
 
 Every all_reduce site the passes look at gets a :class:`SiteReport`: fused or not and why, the
-kernel chosen and why, whether its residual stays sharded. A :class:`GraphReport` groups the
-sites of one compiled graph. Reports accumulate in this process until :func:`reset`.
+kernel chosen and why, whether its residual stays sharded, whether it is split. The split pass's
+summary of a graph is a :class:`SplitSummary`. A :class:`GraphReport` groups one compiled graph's
+sites. The passes return these as plain values; the pass manager assembles them (no pass keeps a
+report object in the graph). Reports accumulate in this process until :func:`reset`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+from typing import Optional
 
 
 @dataclasses.dataclass
@@ -30,6 +33,28 @@ class SiteReport:
 
 
 @dataclasses.dataclass
+class SplitSummary:
+    """What the token split did to one graph."""
+
+    applied: bool = False
+    reason: str = ""  # why not, when not applied
+    tokens: str = "-"
+    split_at: str = "-"
+    halves: int = 0  # ops computed per half
+    barriers: list[str] = dataclasses.field(default_factory=list)
+    #: the sites (their all_reduce node names) whose fused op runs per half on the comm stream
+    sites: list[str] = dataclasses.field(default_factory=list)
+
+    def describe(self) -> str:
+        if not self.applied:
+            return f"not split: {self.reason}"
+        text = f"split {self.tokens} at {self.split_at}: {self.halves} ops per half"
+        if self.barriers:
+            text += f"; {len(self.barriers)} barrier(s): " + "; ".join(self.barriers)
+        return text
+
+
+@dataclasses.dataclass
 class GraphReport:
     graph_id: int
     compiler: str
@@ -37,8 +62,8 @@ class GraphReport:
     sites: list[SiteReport] = dataclasses.field(default_factory=list)
     #: ``{"all_reduce": (before, after), "weave.allreduce_add_rmsnorm": (before, after)}``
     op_counts: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
-    #: the split pass's summary (``passes.split_tokens.SplitSummary``), None if it did not run
-    split: object = None
+    #: the split pass's summary, None if it did not run
+    split: Optional[SplitSummary] = None
 
     @property
     def matched_count(self) -> int:
@@ -78,7 +103,7 @@ class WeaveReport:
 
 def graph_to_json(g: GraphReport) -> dict:
     return {"sites": [dataclasses.asdict(s) for s in g.sites], "op_counts": g.op_counts,
-            "split": g.split.describe() if g.split is not None else None}
+            "split": dataclasses.asdict(g.split) if g.split is not None else None}
 
 
 def graph_from_json(compiler: str, note: str, payload: dict) -> GraphReport:
@@ -87,16 +112,8 @@ def graph_from_json(compiler: str, note: str, payload: dict) -> GraphReport:
     g.sites = [SiteReport(**s) for s in payload["sites"]]
     g.op_counts = {k: tuple(v) for k, v in payload["op_counts"].items()}
     if payload.get("split"):
-        g.split = _Recorded(payload["split"])
+        g.split = SplitSummary(**payload["split"])
     return g
-
-
-@dataclasses.dataclass
-class _Recorded:
-    text: str
-
-    def describe(self) -> str:
-        return self.text
 
 
 def dumps(graphs: list[GraphReport]) -> str:

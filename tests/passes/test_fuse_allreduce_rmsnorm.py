@@ -82,7 +82,7 @@ def _inductor_numerics(rank, world_size, seed):
         model = TPLlama(d, tp=world_size, rank=rank, group=dist.group.WORLD, seed=seed, dtype=dtype)
         torch.manual_seed(seed)
         cases = [(torch.randint(0, d.vocab, (1, t)),) for t in (257, 1024, 3)]
-        # Fusion alone (the split adds a graph per side of its threshold: tests/passes/test_split_tokens.py).
+        # Fusion alone (the split adds a graph per side of its threshold: tests/passes/split_tokens/).
         out[f"dynamic-{dtype}"] = _compile_and_compare(model, cases, "inductor", dynamic_dim=1, split=False)
         if dtype == torch.float32:
             out["static-T1"] = _compile_and_compare(model, [(torch.randint(0, d.vocab, (1, 1)),)], "inductor")

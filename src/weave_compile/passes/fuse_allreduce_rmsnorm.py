@@ -47,16 +47,17 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from weave_compile.config import TokenWeaveConfig
-from weave_compile.kernels.allreduce_rmsnorm import group_size, select_kernel
-from weave_compile.report import GraphReport, SiteReport
+from weave_compile.ops import FUSED_OP, group_size, select_kernel
+from weave_compile.report import SiteReport
 
+from .base import WeavePass
 from .graph_utils import (
     ALL_REDUCE_TARGETS,
     VIEW_TARGETS,
-    WAIT_TARGETS,
+    all_reduce_wait,
     aten,
     broadcasts_as_row,
-    prims,
+    call_named,
     call_with_meta,
     cast_dtype,
     erase_if_dead,
@@ -65,12 +66,15 @@ from .graph_utils import (
     is_call,
     is_last_dim,
     other_operand,
+    prims,
     val,
 )
 
 log = logging.getLogger(__name__)
 
-FUSED_OP = torch.ops.weave.allreduce_add_rmsnorm.default
+#: ``node.meta`` key of a fused op: the name of the all_reduce node it replaced (the site's id
+#: in the report); the split pass copies it onto each half's op.
+SITE_KEY = "weave_site"
 _MAX_CHAIN = 16  # views/casts/adds between the all_reduce and the norm; a real model has <= 4
 _MAX_VISITS = 64  # users tried while walking (a node read twice is tried both ways)
 
@@ -294,8 +298,8 @@ def match_site(ar: fx.Node) -> SiteMatch:
     reduce_op = ar.args[1]
     if reduce_op != "sum":
         raise NoMatch(f"reduce op {reduce_op!r} is not sum")
-    wait = _single_user(ar)
-    if not is_call(wait, WAIT_TARGETS):
+    wait = all_reduce_wait(ar)
+    if wait is None:
         raise NoMatch("all_reduce result is read before wait_tensor")
     x = ar.args[0]
     tx = val(x)
@@ -420,7 +424,7 @@ def _reserve_workspace(group: str, tx: torch.Tensor, residual_dtype: torch.dtype
     mode="reduce-overhead" (which rejects live allocations it does not own). Collective: every
     rank compiles the same graph.
     """
-    from weave_compile.kernels import symm_mem_allreduce_rmsnorm as symm
+    from weave_compile.kernels import symm_mem_allreduce_rmsnorm as symm  # TODO(merge): `kernels as symm`
 
     rows = 1
     for d in tx.shape[:-1]:
@@ -430,18 +434,19 @@ def _reserve_workspace(group: str, tx: torch.Tensor, residual_dtype: torch.dtype
                  residual_dtype=residual_dtype, device=tx.device)
 
 
-class FuseAllReduceRMSNormPass:
-    """Rewrite every matchable site, in graph order, and record every all_reduce in the report."""
+class FuseAllReduceRMSNormPass(WeavePass):
+    """Rewrite every matchable site, in graph order; returns a report of every all_reduce."""
 
     def __init__(self, config: TokenWeaveConfig):
         self.config = config
         self.matched_count = 0
 
-    def __call__(self, graph: fx.Graph, report: GraphReport) -> None:
+    def __call__(self, graph: fx.Graph) -> list[SiteReport]:
         fake_mode = fake_mode_of(graph)
+        sites = []
         for ar in [n for n in graph.nodes if is_call(n, ALL_REDUCE_TARGETS)]:
             site = SiteReport(node=ar.name, group=str(ar.args[2]), fused=False, reason="")
-            report.sites.append(site)
+            sites.append(site)
             try:
                 if group_size(ar.args[2]) == 1:
                     raise NoMatch("group of size 1: nothing to reduce")
@@ -452,6 +457,7 @@ class FuseAllReduceRMSNormPass:
             except NoMatch as e:
                 site.reason = str(e)
                 log.info("tokenweave: %s not fused: %s", ar.name, e)
+        return sites
 
     def _rewrite(self, graph: fx.Graph, m: SiteMatch, site: SiteReport, fake_mode) -> None:
         order = {n: i for i, n in enumerate(graph.nodes)}
@@ -503,11 +509,13 @@ class FuseAllReduceRMSNormPass:
                 xin = call_with_meta(graph, fake_mode, v.target, (xin, *v.args[1:]))
             insert_after = xin
         with graph.inserting_after(insert_after):
-            fused = call_with_meta(graph, fake_mode, FUSED_OP, (
-                xin, residual, m.bias, w, 0.0 if eps_node is not None else m.norm.eps, group,
-                tres.dtype, tout.dtype, m.norm.mid_dtype, m.norm.weight_offset, False, False, kernel,
-                self.config.comm_ctas, scale, eps_node,
-            ))
+            fused = call_named(
+                graph, fake_mode, FUSED_OP, x=xin, residual=residual, bias=m.bias, weight=w,
+                eps=0.0 if eps_node is not None else m.norm.eps, group_name=group, residual_dtype=tres.dtype,
+                out_dtype=tout.dtype, mid_dtype=m.norm.mid_dtype, weight_offset=m.norm.weight_offset,
+                residual_in_sharded=False, residual_out_sharded=False, kernel=kernel,
+                comm_ctas=self.config.comm_ctas, scale=scale, eps_tensor=eps_node,
+            )
         with graph.inserting_after(fused):
             normed = getitem_with_meta(graph, fused, 0)
         with graph.inserting_after(normed):
@@ -522,7 +530,7 @@ class FuseAllReduceRMSNormPass:
         site.reason = m.describe() + (f" (norm intermediates kept for other users: {kept})" if kept else "")
         site.kernel, site.kernel_reason = kernel, kernel_reason
         site.residual = "full"
-        fused.meta["weave_site"] = site
+        fused.meta[SITE_KEY] = m.all_reduce.name
         log.info("tokenweave: fused %s: %s, kernel %s", m.all_reduce.name, site.reason, kernel)
 
 

@@ -1,4 +1,4 @@
-"""Small FX helpers shared by the passes: node kinds, fake values, insertion with metadata."""
+"""Small FX helpers shared by the passes: node kinds, fake values, insertion with metadata, arguments by name."""
 
 from __future__ import annotations
 
@@ -14,6 +14,25 @@ prims = torch.ops.prims
 ALL_REDUCE_TARGETS = {torch.ops._c10d_functional.all_reduce.default}
 WAIT_TARGETS = {torch.ops._c10d_functional.wait_tensor.default}
 VIEW_TARGETS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+def _wait_all_reduce_pattern():
+    from torch._inductor.pattern_matcher import CallFunction, KeywordArg
+
+    (all_reduce,), (wait,) = ALL_REDUCE_TARGETS, WAIT_TARGETS
+    return CallFunction(wait, CallFunction(all_reduce, KeywordArg("x"), KeywordArg("reduce_op"),
+                                           KeywordArg("group"), _users=1))
+
+
+#: ``wait_tensor(all_reduce(x, reduce_op, group))``, the all_reduce read by the wait only: the
+#: anchor of a fused site, as an Inductor pattern expression.
+WAIT_ALL_REDUCE = _wait_all_reduce_pattern()
+
+
+def all_reduce_wait(ar: fx.Node) -> Optional[fx.Node]:
+    """The ``wait_tensor`` that is the only reader of all_reduce ``ar``, or None."""
+    wait = next(iter(ar.users)) if len(ar.users) == 1 else None
+    return wait if wait is not None and WAIT_ALL_REDUCE.match(wait) else None
 
 
 def val(node: Any) -> Optional[torch.Tensor]:
@@ -61,24 +80,83 @@ def fake_mode_of(graph: fx.Graph):
     return detect_fake_mode(vals)
 
 
-def _fake_args(args):
-    """FakeTensors / SymInts for the nodes in ``args``, lists included (as plain lists: some
-    schemas reject FX's immutable_list)."""
-
-    def fake(a):
-        if isinstance(a, (list, tuple)):
-            return [fake(b) for b in a] if isinstance(a, list) else tuple(fake(b) for b in a)
-        return a.meta.get("val") if isinstance(a, fx.Node) else a
-
-    return tuple(fake(a) for a in args)
+def _plain(a):
+    """FX's immutable lists as plain lists: some schemas (``Tensor[]`` of a custom op) reject them."""
+    if isinstance(a, (list, tuple)):
+        return [_plain(b) for b in a] if isinstance(a, list) else tuple(_plain(b) for b in a)
+    return a
 
 
-def call_with_meta(graph: fx.Graph, fake_mode, target, args: tuple) -> fx.Node:
-    """Insert ``target(*args)`` at the graph's current insert point with ``meta['val']`` set."""
-    node = graph.call_function(target, args)
+def set_fake_val(node: fx.Node, fake_mode) -> None:
+    """(Re)compute ``node.meta['val']`` from its inputs' fake values (torch's ``get_fake_args_kwargs``)."""
+    from torch._inductor.fx_utils import get_fake_args_kwargs
+
+    ok, args, kwargs = get_fake_args_kwargs(node)
+    if not ok:
+        raise RuntimeError(f"tokenweave: an input of {node.name} has no fake value")  # a pass bug
     with fake_mode:
-        node.meta["val"] = target(*_fake_args(args))
+        node.meta["val"] = node.target(*_plain(args), **{k: _plain(v) for k, v in kwargs.items()})
+
+
+def call_with_meta(graph: fx.Graph, fake_mode, target, args: tuple, kwargs: Optional[dict] = None) -> fx.Node:
+    """Insert ``target(*args, **kwargs)`` at the graph's current insert point with ``meta['val']`` set."""
+    node = graph.call_function(target, tuple(args), dict(kwargs or {}))
+    set_fake_val(node, fake_mode)
     return node
+
+
+# ----------------------------------------------------------------------------- arguments by name
+
+
+def named_args(node: fx.Node) -> dict[str, Any]:
+    """The arguments of an OpOverload call by schema name, defaults filled in.
+
+    Works whichever way the node holds them: the passes read the fused op's 15 arguments as
+    ``named_args(node)["residual"]``, never by position.
+    """
+    out = {}
+    for i, arg in enumerate(node.target._schema.arguments):
+        if i < len(node.args):
+            out[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            out[arg.name] = node.kwargs[arg.name]
+        else:
+            out[arg.name] = arg.default_value if arg.has_default_value() else None
+    return out
+
+
+def _schema_order(target, named: dict[str, Any]) -> tuple[tuple, dict]:
+    """``named`` as the call's ``(args, kwargs)``: positional in schema order, kwarg-only by name.
+
+    Positional because Inductor lowers a custom op through ``FallbackKernel.create(kernel, *args,
+    **kwargs)``: an argument named ``kernel`` (the fused op has one) cannot be passed by name there.
+    """
+    schema = target._schema.arguments
+    unknown = set(named) - {a.name for a in schema}
+    missing = [a.name for a in schema if a.name not in named and not a.has_default_value()]
+    if unknown or missing:
+        raise TypeError(f"tokenweave: {target}: unknown {sorted(unknown)}, missing {missing}")  # a pass bug
+    value = {a.name: named[a.name] if a.name in named else a.default_value for a in schema}
+    args = tuple(value[a.name] for a in schema if not a.kwarg_only)
+    kwargs = {a.name: value[a.name] for a in schema if a.kwarg_only}
+    return args, kwargs
+
+
+def call_named(graph: fx.Graph, fake_mode, target, **named) -> fx.Node:
+    """Insert ``target(name=value, ...)`` with ``meta['val']`` set (every argument given by name).
+
+    Example: ``call_named(graph, fake_mode, START_OP, **{**named_args(site), "x": half})``.
+    """
+    args, kwargs = _schema_order(target, named)
+    return call_with_meta(graph, fake_mode, target, args, kwargs)
+
+
+def replace_args(node: fx.Node, **changes) -> None:
+    """Set some of ``node``'s arguments by name, e.g. ``replace_args(fused, residual_out_sharded=True)``.
+
+    Its fake value is stale until :func:`set_fake_val` (the caller knows when to recompute).
+    """
+    node.args, node.kwargs = _schema_order(node.target, {**named_args(node), **changes})
 
 
 def getitem_with_meta(graph: fx.Graph, node: fx.Node, index: int) -> fx.Node:

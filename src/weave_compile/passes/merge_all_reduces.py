@@ -50,7 +50,9 @@ import torch
 import torch.fx as fx
 
 from weave_compile.config import TokenWeaveConfig
+from weave_compile.report import SiteReport
 
+from .base import WeavePass
 from .graph_utils import (
     ALL_REDUCE_TARGETS,
     VIEW_TARGETS,
@@ -163,7 +165,7 @@ def match_pair(add: fx.Node) -> tuple[Side, Side]:
     return a, b
 
 
-class MergeAllReducesPass:
+class MergeAllReducesPass(WeavePass):
     """Merge every pair of sum-reductions over one group that only feed one add; returns what it did."""
 
     def __init__(self, config: Optional[TokenWeaveConfig] = None):
@@ -231,9 +233,8 @@ def _rewrite(graph: fx.Graph, fake_mode, add: fx.Node, a: Side, b: Side) -> fx.N
     return ar
 
 
-def annotate(report, merges: list[Merge]) -> None:
-    """Say on each merged site's report line which all_reduces it replaced."""
+def annotate_merged(sites: list[SiteReport], merges: list[Merge]) -> list[SiteReport]:
+    """The fuse pass's site reports, each merged site saying which all_reduces it replaced."""
     by_name = {m.all_reduce: m.merged for m in merges}
-    for site in report.sites:
-        if site.node in by_name:
-            site.reason += f"; one all_reduce for {' + '.join(by_name[site.node])} (merged)"
+    return [dataclasses.replace(s, reason=f"{s.reason}; one all_reduce for {' + '.join(by_name[s.node])} (merged)")
+            if s.node in by_name else s for s in sites]

@@ -25,20 +25,15 @@ import operator
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from weave_compile.report import GraphReport
+from weave_compile.ops import FUSED_OP, START_OP, WAIT_OP
 
-import torch
-
-from .fuse_allreduce_rmsnorm import FUSED_OP
-from .graph_utils import fake_mode_of, is_call, val
+from .base import WeavePass
+from .fuse_allreduce_rmsnorm import SITE_KEY
+from .graph_utils import fake_mode_of, is_call, named_args, replace_args, set_fake_val, val
 
 log = logging.getLogger(__name__)
 
-_FUSED = (FUSED_OP, torch.ops.weave.allreduce_add_rmsnorm_start.default)
-_WAIT = torch.ops.weave.comm_wait.default
-
-# Argument positions in weave::allreduce_add_rmsnorm's schema.
-_X, _RESIDUAL, _IN_SHARDED, _OUT_SHARDED = 0, 1, 10, 11
+_FUSED = (FUSED_OP, START_OP)
 
 
 def _residual_item(fused: fx.Node):
@@ -51,43 +46,51 @@ def _same_rows(a: fx.Node, b: fx.Node) -> bool:
     return ta.dim() == tb.dim() and all(statically_known_true(p == q) for p, q in zip(ta.shape, tb.shape))
 
 
-class ShardResidualPass:
-    def __call__(self, graph: fx.Graph, report: GraphReport) -> None:
+def _reads_as_residual_only(reader: fx.Node, item: fx.Node, producer: fx.Node) -> bool:
+    """``reader`` is a fused op of the producer's rows that reads ``item`` as its residual, only."""
+    if not is_call(reader, *_FUSED):
+        return False
+    args = named_args(reader)
+    others = [v for k, v in args.items() if k != "residual"]
+    return (args["residual"] is item and item not in others
+            and _same_rows(args["x"], named_args(producer)["x"]))
+
+
+class ShardResidualPass(WeavePass):
+    """Returns each fused site's residual label (site id -> "full" / "in sharded" / ...)."""
+
+    def __call__(self, graph: fx.Graph) -> dict[str, str]:
         fused_nodes = [n for n in graph.nodes if is_call(n, *_FUSED)]
         kept_full: dict[fx.Node, str] = {}
         changed: set[fx.Node] = set()
         for fused in fused_nodes:
             item = _residual_item(fused)
-            readers = [u for u in item.users if not is_call(u, _WAIT)] if item is not None else []
-            ok = all(
-                is_call(r, *_FUSED) and r.args[_RESIDUAL] is item
-                and item not in (r.args[:_RESIDUAL] + r.args[_RESIDUAL + 1:])
-                and _same_rows(r.args[_X], fused.args[_X])
-                for r in readers
-            )
-            if not ok:
+            readers = [u for u in item.users if not is_call(u, WAIT_OP)] if item is not None else []
+            if not all(_reads_as_residual_only(r, item, fused) for r in readers):
                 others = sorted({str(r.target) for r in readers if not is_call(r, *_FUSED)})
                 kept_full[fused] = ", ".join(others) or "a fused site of another shape"
                 continue
-            fused.args = _with(fused.args, _OUT_SHARDED, True)
+            replace_args(fused, residual_out_sharded=True)
             changed.add(fused)
             for r in readers:
-                r.args = _with(r.args, _IN_SHARDED, True)
+                replace_args(r, residual_in_sharded=True)
                 changed.add(r)
         fake_mode = fake_mode_of(graph) if changed else None
+        labels: dict[str, str] = {}
         for node in fused_nodes:
             if node in changed:  # new flags, new output shapes
-                args = tuple(val(a) if isinstance(a, fx.Node) else a for a in node.args)
-                with fake_mode:
-                    node.meta["val"] = node.target(*args)
+                set_fake_val(node, fake_mode)
                 for u in node.users:
                     if is_call(u, operator.getitem):
-                        u.meta["val"] = node.meta["val"][u.args[1]]
-            site = node.meta.get("weave_site")
+                        set_fake_val(u, fake_mode)
+            site = node.meta.get(SITE_KEY)
             if site is not None:
-                site.residual = _label(node.args[_IN_SHARDED], node.args[_OUT_SHARDED], kept_full.get(node))
+                args = named_args(node)
+                labels[site] = _label(args["residual_in_sharded"], args["residual_out_sharded"],
+                                      kept_full.get(node))
         if changed:
             log.info("tokenweave: residual sharded across %d fused sites", len(changed))
+        return labels
 
 
 def _label(in_sharded: bool, out_sharded: bool, full_reason) -> str:
@@ -96,7 +99,3 @@ def _label(in_sharded: bool, out_sharded: bool, full_reason) -> str:
     if full_reason is not None:
         label = ("in sharded, out " if in_sharded else "") + f"full (read by {full_reason})"
     return label
-
-
-def _with(args: tuple, pos: int, value) -> tuple:
-    return args[:pos] + (value,) + args[pos + 1:]

@@ -71,3 +71,4 @@ def causal_suffix_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     kpos = torch.arange(tk).unsqueeze(0)
     scores = scores.masked_fill(kpos > qpos, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
+SUFFIX_ATTENTION = torch.ops.weave.causal_suffix_attention.default

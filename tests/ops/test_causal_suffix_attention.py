@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weave_compile.kernels.causal_suffix_attention import causal_suffix_attention, causal_suffix_attention_ref
+from weave_compile.ops.causal_suffix_attention import causal_suffix_attention, causal_suffix_attention_ref
 
 
 @settings(max_examples=40, deadline=None)

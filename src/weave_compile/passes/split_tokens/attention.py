@@ -1,0 +1,119 @@
+"""The token split of causal self-attention, the one op that mixes tokens.
+
+Prefix A attends over its own keys (the same attention op on A's q/k/v); suffix B needs A's
+keys too: ``weave::causal_suffix_attention`` of B's queries over ``[K_A; K_B]`` (the causal mask
+aligned to the lower right). A batch split needs no rewrite: each half runs the same op on whole
+sequences. An explicit ``[.., S, S]`` mask (how Hugging Face models reach the graph) is checked,
+on the device and without a host sync, to be exactly causal (:func:`assert_causal`).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import TYPE_CHECKING
+
+import torch
+import torch.fx as fx
+
+from weave_compile.ops import SUFFIX_ATTENTION
+
+from ..graph_utils import is_call, named_args, val
+from .plan import ATTENTION_OPS
+from .rules import rule
+from .values import Barrier, Split, SplitTuple, is_tensor_node, same
+
+if TYPE_CHECKING:
+    from .rewriter import Rewriter
+
+aten = torch.ops.aten
+
+
+@rule(*ATTENTION_OPS, tensor_result=False)
+def attention(rw: Rewriter, n: fx.Node) -> SplitTuple:
+    args = named_args(n)
+    q, k, v = args["query"], args["key"], args["value"]
+    sq, sk, sv = (rw.env.get(a) for a in (q, k, v))
+    if val(q).dim() != 4 or not all(isinstance(s, Split) and same(s.unit, 1) for s in (sq, sk, sv)):
+        raise Barrier("attention whose queries, keys and values are not all split")
+    if args.get("dropout_p", 0.0):
+        raise Barrier("attention with dropout")
+    used = {u.args[1] for u in n.users if is_call(u, operator.getitem)}
+    if used - {0} or any(not is_call(u, operator.getitem) for u in n.users):
+        raise Barrier("attention's auxiliary outputs (log-sum-exp, ...) are used")
+    if sq.dim == sk.dim == sv.dim == 0:
+        # Batch split: whole sequences per half; a mask with a batch dimension is sliced.
+        def arg(a, h):
+            if a is q or a is k or a is v:
+                return rw.env[a].halves[h]
+            return rw.side(a, 0, 1, h) if is_tensor_node(a) and val(a).dim() == 4 else a
+
+        calls = [rw.mk(n.target, tuple(arg(a, h) for a in n.args),
+                       {key: arg(a, h) for key, a in n.kwargs.items()}, half=h) for h in (0, 1)]
+        outs = tuple(rw.mk(operator.getitem, (c, 0), half=h) for h, c in enumerate(calls))
+        return SplitTuple({0: Split(0, outs)})
+    if not sq.dim == sk.dim == sv.dim == 2:
+        raise Barrier("attention split along heads or head_dim")
+    mask_name = "attn_mask" if args.get("attn_mask") is not None else "attn_bias"
+    mask = args.get(mask_name)
+    if mask is not None:
+        if args.get("is_causal"):
+            raise Barrier("attention with both a mask and is_causal")
+        return _masked(rw, n, sq, sk, sv, mask)
+    if not args.get("is_causal"):
+        raise Barrier("token split of attention that is neither causal nor masked")
+    return _causal_halves(rw, n, sq, sk, sv, {})
+
+
+def _masked(rw: Rewriter, n: fx.Node, sq: Split, sk: Split, sv: Split, mask: fx.Node) -> SplitTuple:
+    """Token split of attention with an explicit ``[.., S, S]`` mask (how Hugging Face models
+    reach the graph under torch.compile: a materialized causal mask).
+
+    The halves need a causal mask, which the graph cannot prove an arbitrary mask to be. So
+    the mask is dropped for the halves' causal attention and :func:`assert_causal` checks,
+    once per mask and call, that it is exactly causal. A mask that is not (padding, sliding
+    window) stops the program loudly instead of giving a wrong number; such models should
+    compile with ``split=False``.
+    """
+    tm = val(mask)
+    if not isinstance(mask, fx.Node) or mask in rw.env or tm is None or tm.dim() != 4 \
+            or not same(tm.shape[-1], rw.total) or not same(tm.shape[-2], rw.total):
+        raise Barrier("attention mask of a form other than [.., S, S]")
+    if mask not in rw.checked_masks:
+        rw.checked_masks.add(mask)
+        assert_causal(rw, mask, tm)
+    return _causal_halves(rw, n, sq, sk, sv, {"attn_mask": None, "attn_bias": None, "is_causal": True})
+
+
+def assert_causal(rw: Rewriter, mask: fx.Node, tm: torch.Tensor) -> None:
+    """An asynchronous device-side assert (no host sync, CUDA-graph safe) that ``mask`` is causal:
+    0/True where ``key <= query``, masked (-inf, the dtype's minimum, False) elsewhere."""
+    pos = rw.mk(torch.ops.prims.iota.default, (rw.total_arg,), {
+        "start": 0, "step": 1, "dtype": torch.int64, "device": tm.device, "requires_grad": False})
+    causal = rw.mk(aten.le.Tensor, (rw.mk(aten.unsqueeze.default, (pos, 0)),
+                                    rw.mk(aten.unsqueeze.default, (pos, 1))))
+    if tm.dtype == torch.bool:
+        bad = rw.mk(aten.ne.Tensor, (mask, causal))
+    else:
+        allowed = rw.mk(aten.eq.Scalar, (mask, 0))
+        masked = rw.mk(aten.le.Scalar, (mask, torch.finfo(tm.dtype).min / 2))
+        # Where causal the entry must be 0, elsewhere masked.
+        bad = rw.mk(aten.logical_not.default, (rw.mk(aten.where.self, (causal, allowed, masked)),))
+    ok = rw.mk(aten.logical_not.default, (rw.mk(aten.any.default, (bad,)),))
+    rw.mk(aten._assert_async.msg, (ok, "tokenweave split: the attention mask is not causal (padding? "
+                                       "sliding window?); compile with options={'split': False}"))
+
+
+def _causal_halves(rw: Rewriter, n: fx.Node, sq: Split, sk: Split, sv: Split, overrides: dict) -> SplitTuple:
+    """A: the same attention op on its own q/k/v; B: ``causal_suffix_attention`` over [K_A; K_B]."""
+    schema = n.target._schema
+    bound = named_args(n)
+    bound.update({k: v for k, v in overrides.items() if k in bound})
+    bound.update(query=sq.halves[0], key=sk.halves[0], value=sv.halves[0])
+    args = tuple(bound[a.name] for a in schema.arguments if not a.kwarg_only)
+    kwargs = {a.name: bound[a.name] for a in schema.arguments if a.kwarg_only}
+    a_call = rw.mk(n.target, args, kwargs, half=0)
+    a_out = rw.mk(operator.getitem, (a_call, 0), half=0)
+    k_all = rw.mk(aten.cat.default, (list(sk.halves), 2), half=1)
+    v_all = rw.mk(aten.cat.default, (list(sv.halves), 2), half=1)
+    b_out = rw.mk(SUFFIX_ATTENTION, (sq.halves[1], k_all, v_all, bound.get("scale")), half=1)
+    return SplitTuple({0: Split(2, (a_out, b_out))})

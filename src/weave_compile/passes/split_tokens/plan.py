@@ -1,0 +1,104 @@
+"""Where the token split cuts: the split dimension's two sizes, from the smart split or forced.
+
+With a static token count the prefix length comes from :func:`weave_compile.smart_split.choose_split`,
+given the GEMM shapes and attention width found in this graph and the device's SM count. With a
+symbolic count the halves are equal (``T // 2``, evaluated by the compiled code per call). A
+batch split (``[B, S, H]`` with ``B >= 2``) cuts whole sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import guard_bool
+
+from weave_compile import smart_split
+from weave_compile.config import TokenWeaveConfig
+
+from ..graph_utils import is_call, named_args, val
+from .values import NotSplit, prod, same
+
+if TYPE_CHECKING:
+    from .rewriter import Rewriter
+
+aten = torch.ops.aten
+
+#: Attention ops as they reach the post-grad graph, by backend.
+ATTENTION_OPS = tuple(
+    getattr(aten, name).default
+    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    if hasattr(aten, name)
+)
+
+
+@dataclasses.dataclass
+class Plan:
+    """The split dimension's rows per half (ints, or nodes the compiled code evaluates)."""
+
+    sizes: tuple[Any, Any]
+    total: Any  # the whole dimension as the graph reads it: an int or a sym_size node
+    tokens: str  # for the report: what is split
+    split_at: str  # for the report: where and why there
+
+
+def layer_shape(graph: fx.Graph, rows, device: torch.device,
+                config: TokenWeaveConfig) -> tuple[smart_split.LayerShape, int]:
+    """The GEMMs over the token rows and the attention width in ``graph``; the SM count."""
+    gemm_n, gemm_k, attn_width = [], [], 0
+    for n in graph.nodes:
+        if is_call(n, aten.mm.default, aten.addmm.default):
+            a, b = (n.args[0], n.args[1]) if n.target == aten.mm.default else (n.args[1], n.args[2])
+            ta, tb = val(a), val(b)
+            if (ta is not None and tb is not None and same(ta.shape[0], rows)
+                    and all(isinstance(d, int) for d in tb.shape)):
+                gemm_k.append(int(tb.shape[0]))
+                gemm_n.append(int(tb.shape[1]))
+        elif is_call(n, *ATTENTION_OPS):
+            q = val(n.args[0])
+            if all(isinstance(d, int) for d in q.shape[1:]):
+                attn_width += int(q.shape[1] * q.shape[3])
+    num_sms = config.num_sms or (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda" else smart_split.DEFAULT_NUM_SMS)
+    return smart_split.LayerShape(gemms=tuple(zip(gemm_n, gemm_k)), attn_width=attn_width), num_sms
+
+
+def make_plan(rw: Rewriter) -> Plan:
+    """The plan for ``rw``'s graph; inserts the size arithmetic a symbolic count needs."""
+    config, total = rw.config, rw.total
+    anchor = named_args(rw.fused[0])["x"]
+    if rw.split_dim == 0 and isinstance(total, int):
+        # Batch split: whole sequences per half, attention needs no rewrite.
+        b = min(max(config.split_at, 1), total - 1) if config.split_at else total // 2
+        return Plan((b, total - b), total, f"a batch of {total} sequences",
+                    f"{b} sequences" + (" (forced)" if config.split_at else " (half)"))
+    if isinstance(total, int):
+        rows = prod(val(anchor).shape[:-1])
+        s = smart_split.choose_split(total, *layer_shape(rw.graph, rows, rw.device, config), config.split_at)
+        return Plan((s, total - s), total, f"{total} tokens",
+                    str(s) + (" (forced)" if config.split_at else " (smart split)"))
+    # Symbolic sequence length: one graph for every length, so the split point must be an
+    # expression of it that the compiled code evaluates per call. A data-dependent split
+    # point (an unbacked size from a custom op) was tried: Inductor then cannot decide
+    # attention's input layouts. So: equal halves, T // 2.
+    if config.split_at and not guard_bool(total > config.split_at):
+        raise NotSplit(f"forced split_at={config.split_at} >= the token count (guarded)")
+    graph = rw.graph
+    with graph.inserting_after(anchor):
+        seq_node = rw.mk(aten.sym_size.int, (anchor, rw.split_dim))
+    with graph.inserting_after(seq_node):
+        if config.split_at:
+            s_node = config.split_at
+            split_at = f"{s_node} (forced)"
+        else:
+            s_node = rw.mk(operator.floordiv, (seq_node, 2))
+            split_at = "run time: T // 2 (equal halves; the wave- and attention-aware smart split needs a static T)"
+    with graph.inserting_after(s_node if isinstance(s_node, fx.Node) else seq_node):
+        rest = rw.mk(operator.sub, (seq_node, s_node))
+    tokens = "a symbolic batch" if rw.split_dim == 0 else "a symbolic token count"
+    return Plan((s_node, rest), seq_node, tokens, split_at)

@@ -1,0 +1,199 @@
+"""weave::allreduce_add_rmsnorm (reference implementation) and its async form on 2 gloo ranks vs the float64 oracle."""
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from weave_compile.ops import ARG_NAMES, FUSED_OP, START_OP, WAIT_OP, allreduce_add_rmsnorm, allreduce_add_rmsnorm_ref
+from weave_compile.ops.reference import rows_per_rank
+from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
+from weave_compile.testing.numerics import REL_TOL, rel_err
+
+WORLD = 2
+CASES = [
+    # (T, H, dtype, residual, bias, weight_mode, in_sharded, out_sharded)
+    *[(t, 64, torch.float32, True, False, "w", False, False) for t in (1, 3, 257, 1024)],
+    *[(t, 48, dt, True, True, "w_mid", False, False) for t in (5, 64) for dt in (torch.bfloat16, torch.float16)],
+    (33, 32, torch.bfloat16, True, False, "gemma", False, False),
+    (17, 32, torch.float32, False, False, "none", False, False),
+    (17, 32, torch.float32, False, True, "w", False, True),
+    (9, 32, torch.float32, True, False, "w", True, True),
+    (9, 32, torch.bfloat16, True, True, "w_mid", True, False),
+    (13, 32, torch.float32, True, False, "scaled", False, False),
+]
+
+
+def _make(case, seed):
+    T, H, dtype, has_res, has_bias, wmode, _, _ = case
+    g = torch.Generator().manual_seed(seed)
+    def rnd(*s, scale=1.0):
+        return (torch.randn(*s, generator=g) * scale).to(dtype)
+    partials = [rnd(T, H) for _ in range(WORLD)]
+    residual = rnd(T, H) if has_res else None
+    bias = rnd(H, scale=0.1) if has_bias else None
+    weight = None if wmode == "none" else (rnd(H, scale=0.1) + (0 if wmode == "gemma" else 1))
+    return partials, residual, bias, weight
+
+
+def _scale(case):
+    return torch.tensor(3.5) if case[5] == "scaled" else None
+
+
+def _mid(case):
+    return case[2] if case[5] == "w_mid" else None
+
+
+def _offset(case):
+    return 1.0 if case[5] == "gemma" else 0.0
+
+
+def _run_cases(rank, world_size, seed):
+    outs = []
+    for i, case in enumerate(CASES):
+        T, H, dtype, _, _, wmode, in_sh, out_sh = case
+        partials, residual, bias, weight = _make(case, seed + i)
+        per = rows_per_rank(T, world_size)
+        if in_sh and residual is not None:
+            padded = torch.nn.functional.pad(residual, (0, 0, 0, per * world_size - T))
+            residual = padded[rank * per:(rank + 1) * per].clone()
+        normed, res = allreduce_add_rmsnorm(
+            x=partials[rank], residual=residual, bias=bias, weight=weight, eps=1e-5, group_name="0",
+            residual_dtype=dtype, out_dtype=dtype, mid_dtype=_mid(case), weight_offset=_offset(case),
+            residual_in_sharded=in_sh, residual_out_sharded=out_sh, kernel="reference", comm_ctas=16,
+            scale=_scale(case))
+        outs.append((normed, res))
+    return outs
+
+
+@pytest.fixture(scope="module")
+def rank_outputs():
+    import random
+    seed = random.randrange(2**31)
+    results = assert_ranks_ok(run_ranks(_run_cases, WORLD, args=(seed,), timeout=240))
+    return seed, results
+
+
+@pytest.mark.parametrize("idx", range(len(CASES)), ids=[f"T{c[0]}-H{c[1]}-{str(c[2])[6:]}-{c[5]}-sh{int(c[6])}{int(c[7])}" for c in CASES])
+def test_reference_matches_float64(rank_outputs, idx):
+    seed, results = rank_outputs
+    case = CASES[idx]
+    T, H, dtype, _, _, wmode, in_sh, out_sh = case
+    partials, residual, bias, weight = _make(case, seed + idx)
+    ref_normed, ref_res = allreduce_add_rmsnorm_ref(partials, residual, bias, weight, eps=1e-5,
+                                                    weight_offset=_offset(case), scale=_scale(case),
+                                                    mid_dtype=_mid(case))
+    per = rows_per_rank(T, WORLD)
+    for rank in range(WORLD):
+        normed, res = results[rank][idx]
+        assert normed.dtype == dtype and normed.shape == (T, H)
+        assert rel_err(normed, ref_normed) < REL_TOL[dtype], f"seed={seed} rank={rank}"
+        if out_sh:
+            assert res.shape == (per, H)
+            rows = ref_res[rank * per: min((rank + 1) * per, T)]
+            assert rel_err(res[: rows.shape[0]], rows) < REL_TOL[dtype]
+        else:
+            assert rel_err(res, ref_res) < REL_TOL[dtype], f"seed={seed} rank={rank}"
+    # Every rank sees the same normed output (it was all-gathered).
+    assert torch.equal(results[0][idx][0], results[1][idx][0])
+
+
+def test_fake_impl_shapes_including_sharded_and_symbolic(monkeypatch):
+    import weave_compile.ops.allreduce_rmsnorm as mod
+
+    monkeypatch.setattr(mod, "group_size", lambda name: 4)
+    with FakeTensorMode():
+        x = torch.empty(3, 5, 16, dtype=torch.bfloat16)
+        w = torch.empty(16)
+        for in_sh, out_sh in itertools.product([False, True], repeat=2):
+            residual = torch.empty(4, 16) if in_sh else torch.empty(3, 5, 16)
+            normed, res = allreduce_add_rmsnorm(
+                x, residual, None, w, eps=1e-6, group_name="g", residual_dtype=torch.float32,
+                out_dtype=torch.bfloat16, mid_dtype=torch.float32, weight_offset=0.0, residual_in_sharded=in_sh,
+                residual_out_sharded=out_sh, kernel="reference", comm_ctas=8)
+            assert normed.shape == (3, 5, 16) and normed.dtype == torch.bfloat16
+            assert res.dtype == torch.float32
+            assert res.shape == ((4, 16) if out_sh else (3, 5, 16))  # ceil(15 / 4) = 4 rows per rank
+
+
+def test_unknown_kernel_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown kernel"):
+        allreduce_add_rmsnorm(torch.randn(2, 8), None, None, None, eps=1e-6, group_name="0",
+                              residual_dtype=torch.float32, out_dtype=torch.float32, mid_dtype=None,
+                              weight_offset=0.0, residual_in_sharded=False, residual_out_sharded=False,
+                              kernel="nccl", comm_ctas=8)
+
+
+def test_one_schema_for_the_fused_op_and_its_async_form():
+    for op in (FUSED_OP, START_OP):
+        assert tuple(a.name for a in op._schema.arguments) == ARG_NAMES
+        assert [str(a.type) for a in op._schema.arguments] == [str(a.type) for a in FUSED_OP._schema.arguments]
+    assert ARG_NAMES[-1] == "scale" and FUSED_OP._schema.arguments[-1].has_default_value()
+    assert [a.name for a in WAIT_OP._schema.arguments] == ["normed", "residual_out", "keep_alive"]
+    assert WAIT_OP._schema.arguments[0].alias_info.is_write  # readers are ordered after it
+
+
+def _start_then_wait(rank, world_size, seed):
+    g = torch.Generator().manual_seed(seed + rank)  # different partial sums per rank
+    x, res, w = torch.randn(7, 16, generator=g), torch.randn(7, 16, generator=g), torch.randn(16, generator=g)
+    dist.broadcast(res, 0)  # the residual and weight agree across ranks (replicated), x does not
+    dist.broadcast(w, 0)
+    args = dict(x=x, residual=res, bias=None, weight=w, eps=1e-6, group_name=dist.group.WORLD.group_name,
+                residual_dtype=torch.float32, out_dtype=torch.float32, mid_dtype=None, weight_offset=0.0,
+                residual_in_sharded=False, residual_out_sharded=False, kernel="reference", comm_ctas=8)
+    normed, res_out = START_OP(**args)
+    WAIT_OP(normed, res_out, [x, res])
+    want = FUSED_OP(**args)
+    return torch.equal(normed, want[0]) and torch.equal(res_out, want[1])
+
+
+def test_start_then_wait_equals_the_fused_op_on_cpu(seed):
+    """On CPU start computes synchronously and wait is a no-op."""
+    assert all(assert_ranks_ok(run_ranks(_start_then_wait, 2, args=(seed,), timeout=120)))
+
+
+def test_symm_kernels_get_every_argument_by_name_and_a_full_workspace_falls_back(monkeypatch, caplog):
+    """The wiring of the CUDA-only path, on CPU with a stand-in for the kernel launcher."""
+    import logging
+
+    import weave_compile.ops.allreduce_rmsnorm as mod
+    from weave_compile.kernels import symm_mem_allreduce_rmsnorm as symm
+
+    calls = []
+
+    def launcher(x, residual, bias, weight, **kw):
+        calls.append((x.shape, residual.shape, bias, weight.shape, kw))
+        return torch.zeros(x.shape), torch.ones(residual.shape)
+
+    monkeypatch.setattr(symm, "fused_allreduce_rmsnorm_symm", launcher)
+    x, res, w = torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.randn(8)
+    a = mod.bind((x, res, None, w), dict(eps=1e-5, group_name="g", residual_dtype=torch.float32,
+                                         out_dtype=torch.bfloat16, mid_dtype=None, weight_offset=1.0,
+                                         residual_in_sharded=False, residual_out_sharded=False,
+                                         kernel="p2p", comm_ctas=4))
+    kernel, ctas = a.pop("kernel"), a.pop("comm_ctas")
+    normed, res_out = mod._symm(kernel, ctas, **a)
+    assert normed.shape == (2, 3, 8) and res_out.shape == (2, 3, 8)  # back to the input's shape
+    (xs, rs, bias, ws, kw), = calls
+    assert xs == (6, 8) and rs == (6, 8) and bias is None and ws == (8,)
+    assert kw == dict(eps=1e-5, group_name="g", residual_dtype=torch.float32, out_dtype=torch.bfloat16,
+                      mid_dtype=None, weight_offset=1.0, residual_in_sharded=False, residual_out_sharded=False,
+                      num_ctas=4, variant="p2p")
+
+    def full(*args, **kw):
+        raise symm.SymmCapacityError("workspace too small during capture")
+
+    monkeypatch.setattr(symm, "fused_allreduce_rmsnorm_symm", full)
+    with caplog.at_level(logging.WARNING, logger=mod.__name__):
+        assert mod._symm(kernel, ctas, **a) is None  # the caller runs the reference instead
+    assert "fell back to reference: workspace too small" in caplog.text
+
+
+def test_the_symm_kernels_take_no_scale():
+    with pytest.raises(ValueError, match="take no scale"):
+        allreduce_add_rmsnorm(torch.randn(2, 8), None, None, None, eps=1e-6, group_name="0",
+                              residual_dtype=torch.float32, out_dtype=torch.float32, mid_dtype=None,
+                              weight_offset=0.0, residual_in_sharded=False, residual_out_sharded=False,
+                              kernel="p2p", comm_ctas=8, scale=torch.tensor(2.0))

@@ -1,0 +1,46 @@
+"""The token split end to end: the same numbers as the unsplit graph and eager, for every length."""
+
+import torch
+
+from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
+
+from .helpers import THRESHOLD, tokens, tp_llama
+
+
+def _equivalence(rank, world_size, seed):
+    import weave_compile
+    from weave_compile.testing.numerics import rel_err
+
+    d, model = tp_llama(rank, world_size, seed)
+    split = torch.compile(model, backend="tokenweave", options={"split": True, "split_threshold": THRESHOLD})
+    plain = torch.compile(model, backend="tokenweave", options={"split_threshold": THRESHOLD, "split": False})
+    errs, graphs = [], {}
+    with torch.no_grad():
+        for b, lengths in ((1, (24, 33, 57, 7, 9, 100)), (3, (11, 6, 20))):
+            weave_compile.reset()
+            for i, t in enumerate(lengths):
+                x = tokens(d, b, t, seed + i)
+                torch._dynamo.mark_dynamic(x, 1)
+                want = model(x)
+                got_split = split(x)
+                got_plain = plain(x)
+                errs.append((b, t, rel_err(got_split, want), rel_err(got_split, got_plain)))
+            graphs[b] = [g.split.describe() for g in weave_compile.explain().graphs if g.split is not None]
+    return errs, graphs
+
+
+def test_split_matches_unsplit_and_eager_dynamic_lengths(seed):
+    for errs, graphs in assert_ranks_ok(run_ranks(_equivalence, 2, args=(seed,), timeout=900)):
+        for b, t, vs_eager, vs_plain in errs:
+            assert vs_eager < 1e-5 and vs_plain < 1e-5, (b, t, vs_eager, vs_plain)
+        # Batch 1: one graph for every length above the threshold (symbolic split point) and one
+        # below it (the guard), whatever the order the lengths come in; the plain variant's too.
+        split_graphs = [g for g in graphs[1] if not g.startswith("not split: split disabled")]
+        assert len(split_graphs) == 2, graphs[1]
+        assert any(g.startswith("split a symbolic token count at run time") for g in split_graphs), split_graphs
+        assert any("fewer than split_threshold" in g for g in split_graphs), split_graphs
+        assert all("barrier" not in g for g in split_graphs), split_graphs
+        # Batch 3 (Dynamo makes the batch symbolic on this recompile): whole sequences per half,
+        # nothing mixes them, so no barrier either.
+        batch = [g for g in graphs[3] if g.startswith("split a symbolic batch at run time")]
+        assert batch and all("barrier" not in g for g in batch), graphs[3]
