@@ -35,8 +35,9 @@ newest checked, 5.24; L = 2 layers here):
   before the passes on 5.17) and the merge pass makes them one all_reduce, fused: one site per
   layer and one collective fewer per MoE layer.
 
-All phases run in one ``run_ranks`` call (spawning ranks and importing transformers costs seconds);
-the assertions run in the test process on plain data. ``WEAVE_HF_PHASES`` (comma-separated, default
+Each phase (every architecture) runs in one ``run_ranks`` call, when a test first needs it
+(spawning ranks and importing transformers costs seconds); the assertions run in the test process
+on plain data. ``WEAVE_HF_PHASES`` (comma-separated, default
 all) limits the phases: CI's newest-transformers step skips the Inductor one to stay short.
 """
 
@@ -64,6 +65,8 @@ ENV = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
 SPLIT_OPTIONS = {"split": True, "split_threshold": 8}
 PHASES = ("aot_eager", "split", "decode", "inductor")
 RUN_PHASES = tuple(p for p in os.environ.get("WEAVE_HF_PHASES", ",".join(PHASES)).split(",") if p)
+#: ``WEAVE_HF_ARCHS`` (comma-separated, default all): the architectures to run, for quick local runs
+TEST_ARCHS = [a for a in os.environ.get("WEAVE_HF_ARCHS", ",".join(ARCHS)).split(",") if a]
 
 _2L, _L = 2 * LAYERS, LAYERS
 #: (fused sites, all_reduces before the passes) with transformers 5.17 ...
@@ -205,26 +208,26 @@ def _grad_hook_probe(seed: int) -> dict:
     return {"raised": None}
 
 
-def _guarded(fn, *args) -> dict:
+def _guarded(fn, *args, **kwargs) -> dict:
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     except Exception:  # one architecture failing must not hide the others' results
         return {"error": traceback.format_exc()}
 
 
-def _all_phases(rank: int, world_size: int, seed: int, phases: tuple) -> dict:
+def _one_phase(rank: int, world_size: int, seed: int, phase: str) -> dict:
+    """Every architecture through one phase, on the ranks (one spawn per phase)."""
     out = {}
-    for arch in ARCHS:
-        if "aot_eager" in phases:
-            out[("aot_eager", arch)] = _guarded(_prefill, arch, seed, "aot_eager", True)
-        if "split" in phases:
-            out[("split", arch)] = _guarded(_prefill, arch, seed, "aot_eager", True, **SPLIT_OPTIONS)
-        if "decode" in phases:
-            out[("decode", arch)] = _guarded(_decode, arch, seed)
-    if "inductor" in phases:
-        for arch in ARCHS:
-            out[("inductor", arch)] = _guarded(_prefill, arch, seed, "inductor", False)
-    if "aot_eager" in phases:
+    for arch in TEST_ARCHS:
+        if phase == "aot_eager":
+            out[(phase, arch)] = _guarded(_prefill, arch, seed, "aot_eager", True)
+        elif phase == "split":
+            out[(phase, arch)] = _guarded(_prefill, arch, seed, "aot_eager", True, **SPLIT_OPTIONS)
+        elif phase == "decode":
+            out[(phase, arch)] = _guarded(_decode, arch, seed)
+        elif phase == "inductor":
+            out[(phase, arch)] = _guarded(_prefill, arch, seed, "inductor", False)
+    if phase == "aot_eager" and TEST_ARCHS == list(ARCHS):
         out[("nocomm", "gemma2")] = _guarded(_nocomm, seed)
         out[("grad_hooks", "qwen3")] = _guarded(_grad_hook_probe, seed)
     return out
@@ -233,19 +236,34 @@ def _all_phases(rank: int, world_size: int, seed: int, phases: tuple) -> dict:
 # ----------------------------------------------------------------------------- fixtures
 
 
+class _Phases:
+    """Runs a phase on the ranks when a test first asks for it (each phase has its own deadline)."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.done: dict[str, list[dict]] = {}
+
+    def ranks(self, phase: str) -> list[dict]:
+        if phase not in self.done:
+            self.done[phase] = assert_ranks_ok(run_ranks(_one_phase, WORLD, args=(self.seed, phase), timeout=900,
+                                                         env=ENV))
+        return self.done[phase]
+
+
 @pytest.fixture(scope="module")
 def results():
     seed = random.randrange(2**31)
     print(f"seed={seed}")
-    ranks = assert_ranks_ok(run_ranks(_all_phases, WORLD, args=(seed, RUN_PHASES), timeout=1100, env=ENV))
-    return ranks
+    return _Phases(seed)
 
 
 def _get(results, phase, arch):
     if phase not in RUN_PHASES and phase in PHASES:
         pytest.skip(f"phase {phase!r} not in WEAVE_HF_PHASES")
     out = []
-    for r in results:
+    for r in results.ranks(phase if phase in PHASES else "aot_eager"):
+        if (phase, arch) not in r:
+            pytest.skip(f"{phase} {arch} not run (WEAVE_HF_ARCHS)")
         res = r[(phase, arch)]
         assert "error" not in res, f"{phase} {arch} failed on a rank:\n{res['error']}"
         out.append(res)
@@ -270,7 +288,7 @@ def _expected(res, arch) -> tuple[int, int]:
     return EXPECTED_517[arch] if _is_517(res) else EXPECTED_NEWEST[arch]
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("arch", TEST_ARCHS)
 @pytest.mark.parametrize("phase", ["aot_eager", "split", "inductor", "decode"])
 def test_every_all_reduce_site_fused(results, arch, phase):
     for res in _get(results, phase, arch):
@@ -287,7 +305,7 @@ def test_every_all_reduce_site_fused(results, arch, phase):
                 assert starts > 0 and not g["split"].startswith("not split"), f"{arch}: {g['split']}"
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("arch", TEST_ARCHS)
 def test_fused_sites_in_prefill_are_the_expected_forms(results, arch):
     """The fused sites have the forms the architecture implies."""
     spec = ARCHS[arch]
@@ -328,7 +346,7 @@ def test_fused_sites_in_prefill_are_the_expected_forms(results, arch):
             assert residuals[-1].endswith("out sharded"), _why(res)
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("arch", TEST_ARCHS)
 @pytest.mark.parametrize("phase", ["aot_eager", "split"])
 def test_logits_match_eager_tp_and_unsharded(results, arch, phase):
     for res in _get(results, phase, arch):
@@ -338,13 +356,13 @@ def test_logits_match_eager_tp_and_unsharded(results, arch, phase):
         assert res["vs_unsharded"] < TOL, f"{phase} vs unsharded: {res['vs_unsharded']}"
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("arch", TEST_ARCHS)
 def test_inductor_logits_match_eager_tp(results, arch):
     for res in _get(results, "inductor", arch):
         assert res["vs_eager"] < TOL, f"inductor vs eager TP: {res['vs_eager']}"
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("arch", TEST_ARCHS)
 @pytest.mark.parametrize("phase", ["aot_eager", "split", "inductor"])
 def test_whole_model_is_one_graph(results, arch, phase):
     """fullgraph=True compiled, and nothing recompiled: one Dynamo graph, one post-grad graph."""
@@ -352,7 +370,7 @@ def test_whole_model_is_one_graph(results, arch, phase):
         assert res["unique_graphs"] == 1 and len(res["graphs"]) == 1, f"{phase}\n{res['text']}"
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("arch", TEST_ARCHS)
 def test_decode_step_with_static_cache(results, arch):
     """T=1 against the eager TP model with the same cache state, two steps."""
     for res in _get(results, "decode", arch):
@@ -363,7 +381,7 @@ def test_decode_step_with_static_cache(results, arch):
             assert res["unique_graphs"] == 1, res["text"]
 
 
-@pytest.mark.parametrize("arch", [a for a in ARCHS if ARCHS[a].qk_norm])
+@pytest.mark.parametrize("arch", [a for a in TEST_ARCHS if ARCHS[a].qk_norm])
 def test_qk_norms_left_alone(results, arch):
     """q_norm/k_norm (head_dim rows, no all_reduce before them) survive; only fused norms go."""
     head_dim = 16

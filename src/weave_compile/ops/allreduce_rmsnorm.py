@@ -100,9 +100,6 @@ def _fused(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     if a["scale"] is not None and kernel in SYMM_KERNELS:
         raise ValueError("weave::allreduce_add_rmsnorm: the symmetric-memory kernels take no scale")
     if kernel in SYMM_KERNELS and a["x"].is_cuda:
-        eps_tensor = a.pop("eps_tensor")
-        if eps_tensor is not None:
-            a["eps"] = float(eps_tensor)
         out = _symm(kernel, comm_ctas, **a)
         if out is not None:
             return out
@@ -110,8 +107,10 @@ def _fused(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _symm(kernel: str, comm_ctas: int, *, x, residual, bias, weight, residual_in_sharded,
-          residual_out_sharded, scale, **rest) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+          residual_out_sharded, scale, eps_tensor, **rest) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """The symmetric-memory kernel, or None where it cannot run now (the reference runs instead)."""
+    if eps_tensor is not None:  # a CPU 0-d tensor (the pass checks): read on the host, no sync
+        rest["eps"] = float(eps_tensor)
     from weave_compile.kernels import symm_mem_allreduce_rmsnorm as symm  # TODO(merge): `kernels as symm`
 
     hidden = x.shape[-1]

@@ -469,6 +469,11 @@ class FuseAllReduceRMSNormPass(WeavePass):
             if isinstance(inp, fx.Node) and order[inp] > order[anchor]:
                 anchor = inp
         extra = [r for _, readers in m.extra_readers for r in readers]
+        if extra and order[anchor] >= min(order[r] for r in extra):
+            # A reader of an inner chain node comes first: put the op right after its last input.
+            inputs = [m.all_reduce.args[0], m.residual, m.bias, m.norm.weight, m.norm.eps, m.scale]
+            inputs += [n for n, _ in m.more_residuals]
+            anchor = max((n for n in inputs if isinstance(n, fx.Node)), key=order.__getitem__)
         first_use = min((order[u] for n in (res_node, norm_out) for u in n.users
                          if u not in m.norm.nodes), default=len(order))
         first_use = min([first_use] + [order[r] for r in extra])
