@@ -118,7 +118,7 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     model = build_model(args.arch, args.size, layers=args.layers, seed=args.seed, dtype=dtype, device=device)
     cfg = model.config
     _progress(rank, f"built and sharded in {time.perf_counter() - t0:.1f} s: H={cfg.hidden_size}, "
-                    f"layers={cfg.num_hidden_layers}, expected fusable sites={expected_fused_sites(cfg)}")
+                    f"layers={cfg.num_hidden_layers}, expected fusable sites={expected_fused_sites(model)}")
     target = model.model if args.target == "model" else model
     kwargs = dict(use_cache=False) if args.target == "model" else dict(use_cache=False, logits_to_keep=1)
 

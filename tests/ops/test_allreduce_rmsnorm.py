@@ -130,7 +130,8 @@ def test_one_schema_for_the_fused_op_and_its_async_form():
     for op in (FUSED_OP, START_OP):
         assert tuple(a.name for a in op._schema.arguments) == ARG_NAMES
         assert [str(a.type) for a in op._schema.arguments] == [str(a.type) for a in FUSED_OP._schema.arguments]
-    assert ARG_NAMES[-1] == "scale" and FUSED_OP._schema.arguments[-1].has_default_value()
+    assert ARG_NAMES[-2:] == ("scale", "eps_tensor")
+    assert all(arg.has_default_value() for arg in FUSED_OP._schema.arguments[-2:])
     assert [a.name for a in WAIT_OP._schema.arguments] == ["normed", "residual_out", "keep_alive"]
     assert WAIT_OP._schema.arguments[0].alias_info.is_write  # readers are ordered after it
 

@@ -1,5 +1,9 @@
 """Hypothesis-generated TP programs: compiled == eager, and exactly the matchable sites fused.
 
+The programs cover issue 14's forms too: a float scale on the reduced sum, a second reduction
+added to the first (merged when it is a sum over the same group; a max or another group must stay
+as they are), the reduced value also returned (fusable only when the op returns that value).
+
 Hypothesis runs *inside* the 2 ranks. Both ranks use the same seed (drawn fresh in the test
 process each run) and no example database, so they generate the same programs in the same
 order; the verdict of each example is agreed by an all_reduce before asserting, so shrinking
@@ -29,10 +33,29 @@ class LayerSpec:
     extra: str  # none | between (breaks the site) | after (does not)
     collective: str  # inplace | funcol
     reduce_op: str  # sum | avg
+    #: a Python-float factor on the reduced sum before any add (Granite's multipliers)
+    scale: bool = False
+    #: a second reduction added to the first (MoE routed + shared expert): none | sum (same group:
+    #: merged into one) | max | other_group (both left as they are)
+    shared: str = "none"
+    #: the reduced value (before anything) also returned: fusable only when nothing but views lies
+    #: between it and the norm (no scale, bias or residual add)
+    reader: bool = False
 
     @property
     def matchable(self) -> bool:
         return self.norm != "layernorm" and self.extra != "between" and self.reduce_op == "sum"
+
+    def expected_fused(self) -> list:
+        """Fused or not for each all_reduce site of this layer, in graph order."""
+        if self.shared == "sum":  # merged: one site
+            return [self.matchable]
+        if self.shared != "none":
+            # Not merged. The first site takes the second's (waited) result as an addend, unless a
+            # scale follows the add (it would scale that addend too); the second's result then
+            # feeds the fused op, not a norm.
+            return [self.matchable and not self.scale, False]
+        return [self.matchable and not (self.reader and (self.scale or self.bias or self.residual))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,18 +71,21 @@ class Program:
 class GeneratedTP(nn.Module):
     """x [T, H] -> per layer: row-parallel matmul, all_reduce, [bias], [extra], [+residual], norm."""
 
-    def __init__(self, prog: Program, rank: int, world: int):
+    def __init__(self, prog: Program, rank: int, world: int, other_group=None):
         super().__init__()
-        self.prog, self.rank, self.world = prog, rank, world
+        self.prog, self.rank, self.world, self.other_group = prog, rank, world, other_group
         g = torch.Generator().manual_seed(prog.data_seed)
         h = prog.hidden
         shard = h // world
         self.w = nn.ParameterList()
         self.b = nn.ParameterList()
         self.nw = nn.ParameterList()
+        self.w2 = nn.ParameterList()
         for _ in prog.layers:
             full = torch.randn(h, h, generator=g) / h ** 0.5
             self.w.append(nn.Parameter(full[rank * shard:(rank + 1) * shard].clone()))
+            full2 = torch.randn(h, h, generator=g) / h ** 0.5
+            self.w2.append(nn.Parameter(full2[rank * shard:(rank + 1) * shard].clone()))
             self.b.append(nn.Parameter(torch.randn(h, generator=g) * 0.1))
             self.nw.append(nn.Parameter(1 + torch.randn(h, generator=g) * 0.1))
         self.to(prog.dtype)
@@ -81,12 +107,27 @@ class GeneratedTP(nn.Module):
     def forward(self, x):
         shard = self.prog.hidden // self.world
         residual = x
+        extras = []
         for i, spec in enumerate(self.prog.layers):
-            y = x[:, self.rank * shard:(self.rank + 1) * shard] @ self.w[i]
+            xs = x[:, self.rank * shard:(self.rank + 1) * shard]
+            y = xs @ self.w[i]
             if spec.collective == "funcol" or spec.reduce_op != "sum":
                 y = funcol.all_reduce(y, spec.reduce_op, dist.group.WORLD)
             else:
                 dist.all_reduce(y)
+            if spec.reader:
+                extras.append(y)
+            if spec.shared != "none":
+                y2 = torch.sigmoid(xs) @ self.w2[i]
+                if spec.shared == "max":
+                    y2 = funcol.all_reduce(y2, "max", dist.group.WORLD)
+                elif spec.shared == "other_group":
+                    y2 = funcol.all_reduce(y2, "sum", self.other_group)
+                else:
+                    dist.all_reduce(y2)
+                y = y + y2
+            if spec.scale:
+                y = y * 0.37
             if spec.bias:
                 y = y + self.b[i]
             if spec.extra == "between":
@@ -97,7 +138,16 @@ class GeneratedTP(nn.Module):
             x = self._norm(spec, i, y)
             if spec.extra == "after":
                 x = F.gelu(x)
-        return x
+        return (x, *extras) if extras else x
+
+
+def _consistent(spec: LayerSpec) -> LayerSpec:
+    """A second reduction only after a sum (the cases above), and no extra reader with it."""
+    if spec.shared != "none" and spec.reduce_op != "sum":
+        spec = dataclasses.replace(spec, shared="none")
+    if spec.shared != "none":
+        spec = dataclasses.replace(spec, reader=False)
+    return spec
 
 
 def _strategy():
@@ -110,7 +160,10 @@ def _strategy():
         extra=st.sampled_from(["none", "none", "between", "after"]),
         collective=st.sampled_from(["inplace", "funcol"]),
         reduce_op=st.sampled_from(["sum", "sum", "sum", "avg"]),
-    )
+        scale=st.booleans(),
+        shared=st.sampled_from(["none", "none", "sum", "max", "other_group"]),
+        reader=st.sampled_from([False, False, True]),
+    ).map(_consistent)
     return st.builds(
         Program,
         layers=st.lists(layer, min_size=1, max_size=4).map(tuple),
@@ -122,25 +175,26 @@ def _strategy():
     )
 
 
-def _check_program(prog: Program, rank: int, world: int, compiler: str) -> str:
+def _check_program(prog: Program, rank: int, world: int, compiler: str, other_group=None) -> str:
     """Empty string if the property holds, else what failed."""
     import weave_compile
 
     weave_compile.reset()
     torch._dynamo.reset()
-    model = GeneratedTP(prog, rank, world)
+    model = GeneratedTP(prog, rank, world, other_group)
     x = torch.randn(prog.tokens, prog.hidden, generator=torch.Generator().manual_seed(prog.data_seed + 1))
     x = x.to(prog.dtype)
     with torch.no_grad():
         ref = model(x)
         out = torch.compile(model, backend="tokenweave", options={"compiler": compiler})(x)
-    err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    outs, refs = (out, ref) if isinstance(ref, tuple) else ((out,), (ref,))
+    err = max(((o.double() - r.double()).norm() / r.double().norm()).item() for o, r in zip(outs, refs))
     problems = []
     if not err < TOL[prog.dtype]:
         problems.append(f"compiled vs eager error {err:.3g}")
     sites = weave_compile.explain().sites
     fused = [s.fused for s in sites]
-    expected = [spec.matchable for spec in prog.layers]
+    expected = [f for spec in prog.layers for f in spec.expected_fused()]
     if fused != expected:
         problems.append(f"fused {fused} != matchable {expected}: {[s.reason for s in sites]}")
     return "; ".join(problems)
@@ -151,13 +205,14 @@ def _property(rank, world, seed, compiler, max_examples):
     from hypothesis import seed as hyp_seed
 
     checked = []
+    other_group = dist.new_group(list(range(world)))  # the same ranks under another name
 
     @hyp_seed(seed)
     @settings(max_examples=max_examples, database=None, deadline=None, print_blob=False,
               suppress_health_check=list(HealthCheck))
     @given(prog=_strategy())
     def prop(prog):
-        problem = _check_program(prog, rank, world, compiler)
+        problem = _check_program(prog, rank, world, compiler, other_group)
         ok = torch.tensor([0.0 if problem else 1.0])
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # both ranks take the same branch
         checked.append(prog)

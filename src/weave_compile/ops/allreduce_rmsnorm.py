@@ -61,6 +61,7 @@ def _arguments(
     kernel: str,
     comm_ctas: int,
     scale: Optional[torch.Tensor] = None,
+    eps_tensor: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The one definition of the fused op's arguments (never called).
 
@@ -68,6 +69,9 @@ def _arguments(
     bias, residual and weight it must be the same on every rank (each row is computed on one
     rank). The symmetric-memory kernels do not take it: the pass selects ``reference`` there.
     ``kernel`` is one of :data:`KERNELS`; ``comm_ctas`` the thread blocks the kernels may use.
+    ``eps_tensor`` (a 0-d tensor), when given, replaces ``eps``: under ``torch.compile(dynamic=True)``
+    Dynamo turns a model's Python-float eps into a graph input. The symmetric-memory kernels read
+    it on the host, so the pass gives them only a CPU one (no device sync).
     """
     raise NotImplementedError
 
@@ -91,6 +95,12 @@ def _fused(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     a = bind(args, kwargs)
     kernel = a.pop("kernel")
     comm_ctas = a.pop("comm_ctas")
+    if kernel != "reference":
+        # Only the reference takes a tensor eps; the kernels get a CPU 0-d one (the pass sees to
+        # it), read on the host with no device sync.
+        eps_tensor = a.pop("eps_tensor")
+        if eps_tensor is not None:
+            a["eps"] = float(eps_tensor)
     if kernel not in KERNELS:
         raise ValueError(f"weave::allreduce_add_rmsnorm: unknown kernel {kernel!r}; valid: {KERNELS}")
     if a["scale"] is not None and kernel in NO_SCALE_KERNELS:

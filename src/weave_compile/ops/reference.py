@@ -83,7 +83,8 @@ def norm_rows(
 
 
 def reference_impl(x, residual, bias, weight, eps, group_name, residual_dtype, out_dtype, mid_dtype, weight_offset,
-                   residual_in_sharded, residual_out_sharded, scale=None) -> tuple[torch.Tensor, torch.Tensor]:
+                   residual_in_sharded, residual_out_sharded, scale=None,
+                   eps_tensor=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reduce-scatter -> add -> RMSNorm on this rank's rows -> all-gather, with functional collectives.
 
     The op's arguments less ``kernel`` and ``comm_ctas`` (types and meaning:
@@ -108,7 +109,8 @@ def reference_impl(x, residual, bias, weight, eps, group_name, residual_dtype, o
             res_rows = _pad_rows(residual.reshape(-1, hidden), padded)[rank * per_rank : (rank + 1) * per_rank]
         acc = acc + res_rows.float()
     res_shard = acc.to(residual_dtype)
-    normed_shard = norm_rows(res_shard, weight, eps, out_dtype, mid_dtype, weight_offset)
+    normed_shard = norm_rows(res_shard, weight, eps if eps_tensor is None else eps_tensor, out_dtype, mid_dtype,
+                             weight_offset)
 
     if residual_out_sharded:
         normed = _all_gather_rows(normed_shard, group_name, world_size)[:total]

@@ -1,5 +1,7 @@
 """Runs the tokenweave passes on Inductor's post-grad graph, in this fixed order:
 
+0. ``merge`` (:mod:`.merge_all_reduces`): ``all_reduce(a) + all_reduce(b)`` over one group becomes
+   one ``all_reduce(a + b)`` (MoE routed + shared experts), so that ``fuse`` sees one.
 1. ``fuse``  (:mod:`.fuse_allreduce_rmsnorm`): all_reduce -> (+bias) -> (+residual) -> RMSNorm
    becomes one ``weave::allreduce_add_rmsnorm`` op.
 2. ``split`` (:mod:`.split_tokens`): token prefix/suffix halves, their fused communication on a
@@ -31,6 +33,7 @@ from weave_compile.ops import FUSED_OP, START_OP
 
 from . import base, graph_utils
 from .fuse_allreduce_rmsnorm import FuseAllReduceRMSNormPass
+from .merge_all_reduces import MergeAllReducesPass, annotate_merged
 from .shard_residual import ShardResidualPass
 from .split_tokens import SplitTokensPass
 
@@ -47,19 +50,21 @@ class WeavePassManager(CustomGraphPass):
         self.graph_reports: list[report_mod.GraphReport] = []
         #: per post-grad graph, its communication per group, for the ranks' first-call check
         self.comm_plans: list[dict] = []
+        self.merge = MergeAllReducesPass(config)
         self.fuse = FuseAllReduceRMSNormPass(config)
         self.split = SplitTokensPass(config)
         self.shard = ShardResidualPass()
 
     @property
     def passes(self) -> list[base.WeavePass]:
-        return [self.fuse, self.split, self.shard]
+        return [self.merge, self.fuse, self.split, self.shard]
 
     def __call__(self, graph: fx.Graph) -> None:
         report = report_mod.new_graph(self.compiler)
         self.graph_reports.append(report)
         before = _count_ops(graph)
-        sites = self.fuse(graph)
+        merges = self.merge(graph)
+        sites = annotate_merged(self.fuse(graph), merges)
         split = self.split(graph)
         residual = self.shard(graph) if self.config.shard_residual else {}
         graph.lint()

@@ -89,8 +89,24 @@ class ArchSpec:
     #: the static cache has sliding-window layers, which keep a Python int position (Dynamo
     #: specializes on it: every decode step recompiles until it turns dynamic)
     sliding_cache: bool = False
+    #: the plan to use when the installed transformers' config class has none
+    tp_plan: Optional[dict] = None
+    #: the config has no ``head_dim`` (DeepSeek's MLA sets its own head dims)
+    no_head_dim: bool = False
     note: str = ""
 
+
+_GRANITE_MULTIPLIERS = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
+                            logits_scaling=16.0)
+#: transformers 5.17 has no plan for GraniteMoE (later releases shard only the experts): the
+#: Mixtral plan under GraniteMoE's module names, used when the installed config has none.
+_GRANITEMOE_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.block_sparse_moe.experts.gate_up_proj": "packed_colwise",
+    "layers.*.block_sparse_moe.experts.down_proj": "rowwise",
+    "layers.*.block_sparse_moe.experts": "moe_tp_experts",
+}
 
 _LLAMA_NOTE = "2 per layer (o_proj -> +res -> post_attention_layernorm, down_proj -> +res -> next input norm)"
 
@@ -119,25 +135,98 @@ ARCHS: dict[str, ArchSpec] = {
                       "embedding"),
         ArchSpec("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", sandwich=True, embed_scale=True, qk_norm=True,
                  sliding_cache=True, note="as gemma2, plus per-head q/k norms (left alone)"),
+        # IBM Granite 3.x multipliers (Granite-3.1-8B's values): the sublayer outputs are scaled by
+        # residual_multiplier (a Python float) between their all_reduce and the residual add.
+        ArchSpec("granite", "GraniteConfig", "GraniteForCausalLM", extra=_GRANITE_MULTIPLIERS,
+                 note=_LLAMA_NOTE + ", each all_reduce -> * residual_multiplier (a float) -> +res"),
+        ArchSpec("granitemoe", "GraniteMoeConfig", "GraniteMoeForCausalLM", extra=_GRANITE_MULTIPLIERS,
+                 tiny_extra=dict(num_local_experts=4, num_experts_per_tok=2), tp_plan=_GRANITEMOE_PLAN,
+                 note="as mixtral (experts' all_reduce after their weighted sum), scaled as granite"),
+        # Qwen2-MoE: routed experts + a sigmoid-gated shared expert that the plan leaves replicated;
+        # 5.17 does not shard the experts (o_proj only), later releases do: experts' all_reduce ->
+        # + shared (a replicated addend) -> view -> + residual -> norm.
+        ArchSpec("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                 tiny_extra=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                 shared_expert_intermediate_size=64),
+                 note="o_proj per layer; the experts' all_reduce where the plan shards them (after 5.17)"),
+        # DeepSeek-V3: MLA attention (not in the plan: replicated, no all_reduce), dense MLP in the
+        # first first_k_dense_replace layers, then routed experts + a shared expert, each reduced.
+        ArchSpec("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM", no_head_dim=True,
+                 extra=dict(first_k_dense_replace=1, n_group=1, topk_group=1, rope_interleave=False),
+                 tiny_extra=dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, num_key_value_heads=4,
+                                 moe_intermediate_size=32, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8,
+                                 qk_nope_head_dim=8, v_head_dim=16),
+                 note="1 per layer: the dense MLP's down_proj, or (MoE layers) the routed experts' and the "
+                      "shared expert's all_reduces merged into one"),
     ]
 }
 
 
-def vocab_parallel_embedding(config) -> bool:
-    """The plan shards the embedding by vocab: one all_reduce after it (transformers 5.x: tied models)."""
-    return (getattr(config, "base_model_tp_plan", None) or {}).get("embed_tokens") == "embedding_rowwise"
+def resolved_plan(model_or_config) -> dict:
+    """The tensor-parallel plan as the model applies it (module pattern -> style).
 
-
-def expected_fused_sites(config) -> int:
-    """All_reduce sites an all_reduce -> (+bias) -> (+residual) -> RMSNorm rewrite must fuse.
-
-    Per layer two row-parallel outputs are reduced (o_proj, and down_proj or the experts' sum),
-    and each reaches an RMSNorm: through the residual add (Llama family: post_attention_layernorm,
-    then the next layer's input norm or the final norm) or directly (Gemma's sandwich:
-    post_attention_layernorm, post_feedforward_layernorm). A vocab-parallel embedding adds one
-    (its all_reduce feeds layer 0's input norm).
+    A model's own plan (``model.tp_plan``) is the config's ``base_model_tp_plan`` plus what the
+    model class and transformers add; a config alone gives only the latter's base part.
     """
-    return 2 * config.num_hidden_layers + int(vocab_parallel_embedding(config))
+    plan = dict(getattr(getattr(model_or_config, "config", model_or_config), "base_model_tp_plan", None) or {})
+    if hasattr(model_or_config, "config"):
+        plan.update({k.removeprefix("model."): v for k, v in (getattr(model_or_config, "tp_plan", None) or {}).items()})
+    return plan
+
+
+def vocab_parallel_embedding(model_or_config) -> bool:
+    """The plan shards the embedding by vocab: one all_reduce after it.
+
+    Transformers 5.17 does it for tied models (their config's plan names ``embed_tokens``); later
+    releases (checked: 5.24) add ``embed_tokens: embedding_rowwise`` to every model's plan.
+    """
+    return resolved_plan(model_or_config).get("embed_tokens") == "embedding_rowwise"
+
+
+#: plan styles whose module output is reduced with one all_reduce (row-parallel Linear, the
+#: experts' weighted sum)
+_REDUCING_STYLES = ("rowwise", "moe_tp_experts")
+
+
+def reduced_modules(model) -> list[str]:
+    """The modules whose output the plan all-reduces, in model order (embedding included)."""
+    import re
+
+    plan = resolved_plan(model)
+    out = []
+    for name, _ in model.named_modules():
+        key = re.sub(r"\.\d+(?=\.|$)", ".*", name.removeprefix("model."))
+        style = plan.get(key)
+        if style is not None and (style in _REDUCING_STYLES or style == "embedding_rowwise"):
+            out.append(name)
+    return out
+
+
+def merged_pairs(model) -> int:
+    """Layers whose routed experts and shared expert(s) are both reduced: the merge pass makes them one."""
+    names = reduced_modules(model)
+    layers = {n.rsplit(".mlp.", 1)[0] for n in names if n.endswith(".mlp.experts")}
+    return sum(any(n.startswith(layer + ".mlp.shared_expert") for n in names) for layer in layers)
+
+
+def expected_all_reduces(model) -> int:
+    """All_reduces in the graph before the passes: one per reduced module (:func:`reduced_modules`)."""
+    return len(reduced_modules(model))
+
+
+def expected_fused_sites(model) -> int:
+    """All_reduce sites the rewrites must fuse, from the plan the model was sharded with.
+
+    Every reduced module's output reaches an RMSNorm through (linear ops: views, a float scale,
+    bias and residual adds): the Llama family's o_proj and down_proj -> +residual -> the next norm,
+    Gemma's sandwich (all_reduce -> norm directly), the experts' weighted sum, a vocab-parallel
+    embedding -> layer 0's input norm. A layer whose routed experts and shared expert are reduced
+    separately (DeepSeek-V3) has one site after the merge pass. Which modules are reduced depends
+    on the transformers release: 5.17 shards the embedding of tied models only and no GraniteMoE
+    (the fallback plan in ``ARCHS`` does) nor Qwen2-MoE experts; 5.24 shards every embedding and
+    those experts, and GraniteMoE's experts but not its attention.
+    """
+    return expected_all_reduces(model) - merged_pairs(model)
 
 
 def make_config(arch: str, size: str = "tiny", *, layers: Optional[int] = None, **overrides: Any):
@@ -153,11 +242,16 @@ def make_config(arch: str, size: str = "tiny", *, layers: Optional[int] = None, 
     )
     if spec.name.startswith("gemma"):
         kw["query_pre_attn_scalar"] = s.head_dim  # Gemma's default (256) belongs to its own head_dim
+    if spec.no_head_dim:
+        del kw["head_dim"]
     kw.update(spec.extra)
     if size == "tiny":
         kw.update(spec.tiny_extra)
     kw.update(overrides)
-    return getattr(transformers, spec.config_cls)(**kw)
+    config = getattr(transformers, spec.config_cls)(**kw)
+    if spec.tp_plan is not None and not getattr(config, "base_model_tp_plan", None):
+        config.base_model_tp_plan = dict(spec.tp_plan)
+    return config
 
 
 # ----------------------------------------------------------------------------- build and shard
@@ -196,7 +290,30 @@ def shard_with_tp_plan(model, device: Optional[torch.device] = None):
         # transformers binds the mesh to LOCAL_RANK's device; torchrun sets it, spawned ranks do not.
         os.environ.setdefault("LOCAL_RANK", str(torch.device(device).index or 0))
     dc, _, mesh = cls.prepare_distribute_model(DistributedConfig(tp_size=dist.get_world_size(), tp_plan="auto"))
-    return cls.maybe_distribute_model(model, dc, mesh)
+    untie_output_embedding(model)
+    try:
+        return cls.maybe_distribute_model(model, dc, mesh)
+    except KeyError as e:
+        import transformers
+
+        raise RuntimeError(f"transformers {transformers.__version__} could not apply {cls.__name__}'s tp_plan: "
+                           f"its plan names {e}, which is not a module or parameter of the model") from e
+
+
+def untie_output_embedding(model) -> bool:
+    """Give a tied ``lm_head`` its own copy of the embedding weight; True if it was tied.
+
+    Transformers 5.18+ (checked: 5.24) fail on tied models inside ``apply_tensor_parallelism`` with
+    ``KeyError: 'lm_head.weight'``: the expanded plan lists the head's weight by its module, but
+    ``named_parameters()`` lists a tied weight once, under the embedding. 5.17 shards the shared
+    Parameter twice (once per module) and so ends with two DTensors anyway: untying first gives
+    the same sharded model on every version (same values, the embedding's memory twice).
+    """
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    if out is None or inp is None or out.weight is not inp.weight:
+        return False
+    out.weight = torch.nn.Parameter(inp.weight.detach().clone(), requires_grad=inp.weight.requires_grad)
+    return True
 
 
 def drop_grad_sync_hooks(model) -> int:
