@@ -74,6 +74,16 @@ def test_a_peer_that_never_checks_is_a_bounded_wait_with_a_message():
     assert time.monotonic() - start < 5
 
 
+def test_a_disagreement_is_final_for_the_group_and_only_for_it():
+    store = dist.HashStore()
+    assert all(isinstance(e, agreement.RankDisagreement) for e in _as_ranks([A, B], store=store)[0])
+    errors, seconds = _as_ranks([A, A], store=store)  # the same ranks retry with agreeing graphs
+    assert all(isinstance(e, agreement.RankDisagreement) and "first report" in str(e) for e in errors), errors
+    assert seconds < 5
+    errors, _ = _as_ranks([A, A, A], store=store)  # another group (ranks 0, 1, 2): unaffected
+    assert errors == [None, None, None]
+
+
 def test_plan_names_group_by_ranks_and_describes_arguments():
     ops = agreement.merge([{(0, 1): ["a"]}, {(0, 1): ["b"], (0, 2): ["c"]}])
     assert ops == {(0, 1): ["a", "b"], (0, 2): ["c"]}
@@ -109,34 +119,31 @@ def _diverging(rank, world_size, diverge, seed):
     return out
 
 
-def _both(rank, world_size, seed):
-    # The disagreement stops the ranks before any collective: the process group stays usable.
-    return {d: _diverging(rank, world_size, d, seed) for d in ("break", "count")}
-
-
 @pytest.fixture(scope="module")
 def diverged():
     import random
 
     seed = random.randrange(2**31)
-    return seed, assert_ranks_ok(run_ranks(_both, 2, args=(seed,), timeout=300))
+    # One run each: a disagreement is final for the group, a later check over the same ranks fails.
+    return seed, {d: assert_ranks_ok(run_ranks(_diverging, 2, args=(d, seed), timeout=300)) for d in ("break", "count")}
 
 
 def test_graph_break_on_one_rank_stops_every_rank_before_a_collective(diverged):
     seed, results = diverged
-    for rank, r in enumerate(results):
-        errs, error, seconds, _ = r["break"][True]
+    for rank, r in enumerate(results["break"]):
+        errs, error, seconds, _ = r[True]
         assert error is not None, f"seed={seed} rank {rank}: no disagreement reported; errors {errs}"
         assert "compiled different graphs" in error and "torch.compiler.disable" in error, error
         assert "residual_out_sharded=True" in error  # rank 1's side (one graph, residual sharded) is named
         assert seconds < 60, seconds
-        errs, error, _, _ = r["break"][False]  # without the rewrite the collectives are as written: correct
+        errs, error, _, _ = r[False]  # without the rewrite the collectives are as written: correct
         assert error is None and max(errs) < 1e-5, (seed, error, errs)
 
 
 def test_identical_recompile_on_one_rank_is_accepted_and_correct(diverged):
     seed, results = diverged
+    results = results["count"]
     for r in results:
-        errs, error, _, _ = r["count"][True]
+        errs, error, _, _ = r[True]
         assert error is None and len(errs) == 3 and max(errs) < 1e-5, (seed, error, errs)
-    assert results[0]["count"][True][3] > results[1]["count"][True][3]  # rank 0 did compile more graphs
+    assert results[0][True][3] > results[1][True][3]  # rank 0 did compile more graphs

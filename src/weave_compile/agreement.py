@@ -22,8 +22,9 @@ identical graph on one rank only); matching by content accepts that at once, whe
 numbers would wait for a graph the peer never compiles. A mismatch is detected without waiting
 out the timeout when it is a deadlock: a peer waiting for a digest this rank never published
 while this rank waits for one the peer never published (neither can progress). A rank that finds
-a mismatch marks itself failed, and its peers stop too. Otherwise the wait is bounded by the
-store's timeout (the process group's), and the error says which ranks never arrived.
+a mismatch marks the group failed, for good: its peers stop too, now or at their next check (a
+retry over the same ranks fails at once). Otherwise the wait is bounded by the store's timeout
+(the process group's), and the error says which ranks never arrived.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ log = logging.getLogger(__name__)
 
 Ranks = tuple[int, ...]
 _PREFIX = "weave_agreement/"
-_FAILED = "!"  # a wait value starting with this: that rank found a mismatch and stopped
 _MAX_SHOWN = 8  # ops shown per rank in an error message
 
 REMEDY = ("Make every rank compile the same graphs: keep rank-conditional code (a print or .item() on "
@@ -129,6 +129,7 @@ class _Exchange:
         self.digest, self.summary = digest(ops), _summary(ops)
 
     def publish(self) -> None:
+        self._raise_if_poisoned()
         self.store.set(f"has/{self.digest}/{self.me}", self.summary)
         self.store.set(f"wait/{self.me}", self.digest)
 
@@ -142,8 +143,9 @@ class _Exchange:
                 if not missing:
                     store.set(f"wait/{me}", "")
                     return
+                self._raise_if_poisoned()
                 for p in missing:
-                    self._raise_if_stuck(p)
+                    self._raise_if_deadlocked(p)
                 if time.monotonic() > deadline:
                     raise RankDisagreement(
                         f"tokenweave: rank(s) {missing} of process group {list(self.ranks)} did not compile "
@@ -152,21 +154,24 @@ class _Exchange:
                         f"the ranks compiled different graphs. Rank {me} has {self.summary}. " + REMEDY)
                 time.sleep(pause)
                 pause = min(pause * 2, 0.2)
-        except RankDisagreement:
-            store.set(f"wait/{me}", f"{_FAILED}{me}:{mine}")
+        except RankDisagreement as e:
+            # Final for the group: its peers (waiting now or checking later) stop too. A peer's
+            # state from an earlier check can then never be mistaken for its current one.
+            if not store.check(["failed"]):
+                store.set("failed", f"rank {me}: {e}")
             raise
 
-    def _raise_if_stuck(self, p: int) -> None:
+    def _raise_if_poisoned(self) -> None:
+        if self.store.check(["failed"]):
+            first = self.store.get("failed").decode()
+            raise RankDisagreement(
+                f"tokenweave: the ranks of process group {list(self.ranks)} compiled different graphs "
+                f"(found by {first.split(':')[0]}); rank {self.me} stops before {self.what} runs a "
+                f"collective. Rank {self.me} has {self.summary}. The first report: {first}")
+
+    def _raise_if_deadlocked(self, p: int) -> None:
         store, me, mine = self.store, self.me, self.digest
         theirs = store.get(f"wait/{p}").decode() if store.check([f"wait/{p}"]) else ""
-        if theirs.startswith(_FAILED):
-            failed, _, their_digest = theirs[1:].partition(":")
-            key = f"has/{their_digest}/{failed}"
-            their_summary = store.get(key).decode() if store.check([key]) else "(not recorded)"
-            raise RankDisagreement(
-                f"tokenweave: rank {failed} of process group {list(self.ranks)} found that the ranks "
-                f"compiled different graphs; rank {me} stops before {self.what} runs a collective. "
-                f"Rank {me} has {self.summary}. Rank {failed} has {their_summary}. " + REMEDY)
         if theirs and theirs != mine and not store.check([f"has/{theirs}/{me}"]):
             # A deadlock, not a delay: p waits for a graph this rank never compiled, this rank for
             # one p never compiled, and neither publishes anything while it waits.
