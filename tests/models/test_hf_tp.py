@@ -196,16 +196,19 @@ def _nocomm(seed: int) -> dict:
 
 def _grad_hook_probe(seed: int) -> dict:
     """Why build_model drops the q/k norms' grad-sync hooks: with them, fullgraph compile fails."""
+    import transformers
+
     from weave_compile.testing.hf import build_model, prompt
 
     model = build_model("qwen3", layers=1, seed=seed, keep_grad_hooks=True)
     ids = prompt(1, TOKENS, model.config.vocab_size, seed)
+    out = {"transformers": transformers.__version__, "raised": None}
     try:
         with torch.no_grad():
             _compile(model, "aot_eager")(ids, use_cache=False)
     except Exception as e:  # torch._dynamo.exc.Unsupported
-        return {"raised": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
-    return {"raised": None}
+        out["raised"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    return out
 
 
 def _guarded(fn, *args, **kwargs) -> dict:
@@ -336,14 +339,24 @@ def test_fused_sites_in_prefill_are_the_expected_forms(results, arch):
         residuals = [s[3] for s in fused]
         if spec.sandwich:
             continue
-        if sites == 2 * LAYERS + int(embedding):
+        if arch == "qwen2_moe" and sites > LAYERS:
+            # o_proj's residual_out is read by the pass's own add of the shared expert and the
+            # residual (the experts' site takes that sum): it stays full; the experts' goes sharded.
+            assert residuals == ["out sharded"] + ["in sharded, out full (read by aten.add.Tensor)",
+                                                   "out sharded"] * LAYERS, _why(res)
+        elif sites == 2 * LAYERS + int(embedding):
             # The residual stream stays sharded between consecutive fused sites.
             assert residuals == ["out sharded"] + ["in+out sharded"] * (len(fused) - 1), _why(res)
         else:
             # Attention is replicated (no all_reduce, its residual add is not fused): each site's
             # residual is read by that add, so the op gathers it; the last one skips the gather.
             assert residuals[:-1] == ["full (read by aten.add.Tensor)"] * (len(fused) - 1), _why(res)
-            assert residuals[-1].endswith("out sharded"), _why(res)
+            if arch == "qwen2_moe" and sites == LAYERS:
+                # 5.17: only o_proj is reduced; the last one's residual too feeds the unreduced
+                # MoE block's residual add.
+                assert residuals[-1] == "full (read by aten.add.Tensor)", _why(res)
+            else:
+                assert residuals[-1].endswith("out sharded"), _why(res)
 
 
 @pytest.mark.parametrize("arch", TEST_ARCHS)
@@ -406,4 +419,8 @@ def test_qk_norm_grad_sync_hooks_still_block_fullgraph(results):
     """transformers' replicated_with_grad_allreduce hooks stop fullgraph compile (so build_model drops
     them). If this starts failing, Dynamo or transformers fixed it: drop_grad_sync_hooks can go."""
     for res in _get(results, "grad_hooks", "qwen3"):
+        if res["raised"] is None and not _is_517(res):
+            # Seen with 5.24: fullgraph compiles with the hooks kept. Dropping them stays harmless
+            # (they act in backward only); the pinned release still needs it (asserted there).
+            pytest.skip(f"transformers {res['transformers']}: the grad-sync hooks no longer block fullgraph")
         assert res["raised"] is not None and "backward" in res["raised"].lower(), res["raised"]
