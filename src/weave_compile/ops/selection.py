@@ -39,8 +39,8 @@ def select_kernel(
     ``dtypes`` are the input's, the residual's and the output's; ``num_tokens`` the graph's static
     row count (None when symbolic) and ``split`` whether the token split will run: ``auto`` takes
     ``multimem`` where multicast exists, the one-shot kernel for a small static T once it is
-    measured (``oneshot.AUTO_PICKS_ONESHOT``), else looks them
-    up in the measured table (:mod:`weave_compile.kernels.auto_table`). On CUDA this
+    measured (``oneshot.AUTO_PICKS_ONESHOT``), else looks them up in the measured table
+    (:mod:`weave_compile.kernels.auto_table`). On CUDA this
     rendezvous-es a probe buffer on first use (collective): every rank compiles the same graphs,
     so every rank gets here together.
     """
@@ -65,7 +65,7 @@ def select_kernel(
     if requested == "auto" and variant == "multimem":  # multicast present: TokenWeave's own design
         return variant, f"auto: {reason}"
     if requested == "oneshot" or (requested == "auto" and variant == "p2p"):
-        # One-shot needs what p2p needs; auto takes it for a small static T.
+        # One-shot needs what p2p needs; auto would take it for a small static T, once measured.
         from weave_compile.kernels import oneshot
 
         use, why = oneshot.choose(requested, num_tokens, hidden, dtypes[0])
