@@ -22,7 +22,10 @@ rank are counted as read + written (bf16, H columns, S rows per rank, N ranks):
 the spin limit during the point (0 expected).  Designs: ``push`` (today's launch shape,
 :func:`weave_compile.kernels.launch.push_meta`: several tiles in flight per CTA) and
 ``push_v1`` (the same kernel with the first push kernel's launch shape: the pull kernel's rows
-per iteration, nothing unrolled or pipelined, :func:`push_v1_meta`); ``--sweep`` adds
+per iteration, nothing unrolled or pipelined, :func:`push_v1_meta`), ``push_ring`` (``push``
+leaving its normed output in ring slot 1, ``out_slot``: its gather phase copies nothing with a
+sharded residual, so its ``gather`` rows time the barriers and its ``all`` row is the op without
+the second copy of the peers' rows); ``--sweep`` adds
 ``push:<knob>`` rows (H=4096, 8 CTAs) with one knob of ``push`` changed (see ``SWEEP``).  Residual layout: sharded in and out (what a
 compiled model runs between fused sites) unless ``--full-residual``.  CUDA-graph replays of
 back-to-back calls (``benchmarks/common.py``'s Timer), median of repeats.
@@ -66,11 +69,13 @@ SWEEP = {
 }
 
 
-def phase_bytes(phase: str, N: int, S: int, H: int, elem: int, sharded: bool) -> int:
+def phase_bytes(phase: str, N: int, S: int, H: int, elem: int, sharded: bool, ring: bool = False) -> int:
+    """Bytes read + written by ``phase``; ``ring``: the normed output stays in the output ring
+    (``out_slot``), so the gather copies only a full residual."""
     tile = S * H * elem
     scatter = 2 * (N - 1) * tile
     reduce_norm = (N + 1) * tile + (1 + (0 if sharded else N - 1) + N) * tile
-    gather = (N - 1) * (2 if sharded else 4) * tile
+    gather = (N - 1) * ((0 if ring else 2) + (0 if sharded else 2)) * tile
     return {"scatter": scatter, "reduce_norm": reduce_norm, "gather": gather,
             "all": scatter + reduce_norm + gather, "barriers": 0}[phase]
 
@@ -83,8 +88,8 @@ def _points(args, H: int, S: int, N: int):
 
     for design in args.designs:
         for ctas in args.ctas:
-            m = (launch.push_meta(H, S, ctas, N, 2, 2) if design == "push"
-                 else launch.push_v1_meta(H, S, ctas))
+            m = (launch.push_v1_meta(H, S, ctas) if design == "push_v1"
+                 else launch.push_meta(H, S, ctas, N, 2, 2))
             yield design, m, args.phases
     if args.sweep and H == 4096:
         base = launch.push_meta(H, S, 8, N, 2, 2)
@@ -108,20 +113,20 @@ def run(args) -> list:
         sharded = not args.full_residual
         res = [torch.randn(S if sharded else T, H, generator=g, device="cuda").to(dt) for _ in range(N)]
         weight = torch.randn(H, generator=g, device="cuda").to(dt)
-        outs = None
+        outs = {}  # per output kind: fresh tensors, or the ring slot views (push_ring)
         timeouts_before = 0
         for design, m, phases in _points(args, H, S, N):
+            ring = design == "push_ring"
             for phase in phases:
-                def call(m=m, phase=phase):
-                    nonlocal outs
-                    outs = push_allreduce_rmsnorm(
+                def call(m=m, phase=phase, ring=ring):
+                    outs[ring] = push_allreduce_rmsnorm(
                         ranks, xs, res, None, weight, residual_in_sharded=sharded,
                         residual_out_sharded=sharded, comm_ctas=m.grid, meta=m,
-                        phases=PHASES[phase], outputs=outs)
+                        phases=PHASES[phase], outputs=outs.get(ring), out_slot=1 if ring else -1)
 
                 us = timer(call, args.iters)
                 timeouts = ranks.barrier_state()[0]
-                nbytes = phase_bytes(phase, N, S, H, 2, sharded)
+                nbytes = phase_bytes(phase, N, S, H, 2, sharded, ring)
                 gbps = nbytes / us / 1e3 / m.grid if nbytes else 0.0
                 rows.append(dict(meta, design=design, phase=phase, ctas=m.grid, rows_per_rank=S,
                                  hidden=H, world_size=N, residual="sharded" if sharded else "full",
@@ -162,7 +167,7 @@ def plot(rows, path: str) -> None:
             pts = sorted((int(r["ctas"]), float(r["gbps_per_cta"])) for r in rows
                          if int(r["hidden"]) == H and r["design"] == design and r["phase"] == phase)
             if pts and ":" not in design:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o" if design == "push" else ":x",
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o" if design in ("push", "push_ring") else ":x",
                         color=colors.get(phase, "gray"), label=f"{design} {phase}")
         ax.axhline(TARGET, color="gray", lw=0.8, ls="--", label=f"target {TARGET:.0f} GB/s/CTA")
         ax.set_xscale("log", base=2)
@@ -184,7 +189,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=4096, help="rows per rank")
     ap.add_argument("--world", type=int, default=2, help="emulated ranks")
     ap.add_argument("--ctas", type=int, nargs="+", default=[2, 4, 8, 16, 32])
-    ap.add_argument("--designs", nargs="+", default=["push", "push_v1"], choices=["push", "push_v1"])
+    ap.add_argument("--designs", nargs="+", default=["push", "push_ring", "push_v1"],
+                    choices=["push", "push_ring", "push_v1"],
+                    help="push_ring: the push kernel leaving its output in the ring (out_slot=1)")
     ap.add_argument("--phases", nargs="+", default=list(PHASES), choices=list(PHASES))
     ap.add_argument("--full-residual", action="store_true", help="residual in and out [T, H]")
     ap.add_argument("--sweep", action="store_true", help="also time the SWEEP variants (H=4096, 8 CTAs)")

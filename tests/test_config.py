@@ -7,8 +7,10 @@ def test_defaults_and_valid_keys():
     cfg = TokenWeaveConfig.from_options(None)
     assert cfg == TokenWeaveConfig()
     assert set(TokenWeaveConfig.valid_keys()) == {"fuse", "shard_residual", "kernel", "comm_ctas", "split",
-                                                  "split_threshold", "split_at", "num_sms", "split_cost", "mode", "compiler"}
+                                                  "split_threshold", "split_at", "num_sms", "split_cost", "mode", "compiler",
+                                                  "output_in_place"}
     assert (cfg.split, cfg.split_threshold, cfg.split_at, cfg.num_sms, cfg.split_cost) == (False, 1024, 0, 0, "measured")
+    assert cfg.output_in_place is False  # until its GPU tests have run
     with pytest.raises(ValueError, match="split_cost"):
         TokenWeaveConfig.from_options({"split_cost": "guess"})
 

@@ -23,7 +23,7 @@ def test_split_matches_eager_with_random_token_counts():
     counts = (1024, 1337, 2048, 3001, 4096, 600)
     results = assert_ranks_ok(run_ranks(split_tp_llama_vs_eager, 2, args=(None, counts),
                                         backend="nccl", timeout=580))
-    for errs, summaries, vs_plain in results:
+    for errs, summaries, vs_plain, _ in results:
         assert max(e for _, e in errs) < BF16_TOL, errs
         assert max(e for _, e in vs_plain) < BF16_TOL, vs_plain
         assert any(s.startswith("split a symbolic token count") and "barrier" not in s for s in summaries), summaries
@@ -32,6 +32,19 @@ def test_split_matches_eager_with_random_token_counts():
 def test_split_cuda_graph_replay_with_new_data():
     results = assert_ranks_ok(run_ranks(split_tp_llama_vs_eager, 2, args=("reduce-overhead", (1024, 2500)),
                                         backend="nccl", timeout=580))
-    for errs, summaries, _ in results:
+    for errs, summaries, _, _ in results:
         assert max(e for _, e in errs) < BF16_TOL, errs
         assert sum(s.startswith("split ") for s in summaries) == 2, summaries
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_split_with_outputs_in_the_symmetric_ring(mode):
+    """output_in_place under the split: the halves alternate ring slots (each half's readers feed
+    its own next site); results equal eager with fresh data and random token counts."""
+    counts = (1024, 1337, 3001) if mode is None else (1024, 2500)
+    results = assert_ranks_ok(run_ranks(split_tp_llama_vs_eager, 2,
+                                        args=(mode, counts, 3, {"output_in_place": True}),
+                                        backend="nccl", timeout=580))
+    for errs, summaries, _, outputs in results:
+        assert max(e for _, e in errs) < BF16_TOL, errs
+        assert any(o.startswith("ring slot 1 / ring slot 2") for o in outputs), outputs

@@ -19,7 +19,7 @@ def _graph():
     g.sites = [
         report.SiteReport(node="all_reduce", group="0", fused=True, reason="all_reduce +residual -> rmsnorm",
                           kernel="reference", kernel_reason="requested", residual="out sharded",
-                          split="per half, comm stream"),
+                          split="per half, comm stream", output="copied (output_in_place off)"),
         report.SiteReport(node="all_reduce_1", group="0", fused=False, reason="reduce op 'max' is not sum"),
     ]
     g.op_counts = {"all_reduce": (2, 1), "weave.allreduce_add_rmsnorm": (0, 1)}
@@ -32,8 +32,8 @@ def _graph():
 def test_site_row_names_kernel_and_reason():
     fused, unfused = _graph().sites
     assert fused.row() == ["all_reduce", "0", "yes", "all_reduce +residual -> rmsnorm", "reference (requested)",
-                           "out sharded", "per half, comm stream"]
-    assert unfused.row() == ["all_reduce_1", "0", "no", "reduce op 'max' is not sum", "-", "-", "not split"]
+                           "out sharded", "per half, comm stream", "copied (output_in_place off)"]
+    assert unfused.row() == ["all_reduce_1", "0", "no", "reduce op 'max' is not sum", "-", "-", "not split", "-"]
 
 
 def test_split_summary_describes_what_happened():
@@ -53,7 +53,8 @@ def test_explain_text_lists_graphs_counts_split_and_sites():
     assert lines[0] == "tokenweave: 2 graph(s), 2 all_reduce site(s), 1 fused"
     assert lines[1] == ("graph 0 [aot_eager]: a note (all_reduce 2->1, weave.allreduce_add_rmsnorm 0->1)")
     assert lines[2].startswith("  split 40 tokens at 20")
-    assert lines[3].split() == ["site", "group", "fused", "form", "/", "reason", "kernel", "residual", "split"]
+    assert lines[3].split() == ["site", "group", "fused", "form", "/", "reason", "kernel", "residual", "split",
+                                "output"]
     assert lines[4].split()[:3] == ["all_reduce", "0", "yes"]
     assert lines[5].split()[:3] == ["all_reduce_1", "0", "no"]
     assert lines[6] == "graph 1 [inductor]: no process group initialized: passes not run"

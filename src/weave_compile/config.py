@@ -36,6 +36,11 @@ class TokenWeaveConfig:
     #: reduce-scatter/all-gather around the same add+norm), ``reference``. A forced kernel that
     #: cannot run falls back to ``reference`` with a logged reason.
     kernel: KernelChoice = "auto"
+    #: Let the ``p2p`` kernel leave its normed output in the symmetric output ring where the
+    #: peers pushed it (no copy of their rows), wherever the ``output`` pass proves every reader
+    #: runs before the ring slot is written again; elsewhere it is copied out as before, with the
+    #: reason in ``explain()``. Off by default until its GPU tests have run (benchmarks/NOTES.md).
+    output_in_place: bool = False
     #: Thread blocks the fused communication kernel may occupy (1-32). 32 measured fastest on
     #: 2x H200 at every T >= 512 without overlap (benchmarks/NOTES.md); TokenWeave uses 2-8
     #: while overlapping.

@@ -25,11 +25,12 @@ class SiteReport:
     kernel_reason: str = ""
     residual: str = "-"  # "full" | "in sharded" | "out sharded" | "in+out sharded"
     split: str = "not split"
+    output: str = "-"  # "ring slot k" (left where the peers pushed it) | "copied (why)"
 
     def row(self) -> list[str]:
         return [self.node, self.group, "yes" if self.fused else "no", self.reason,
                 f"{self.kernel} ({self.kernel_reason})" if self.kernel_reason else self.kernel,
-                self.residual, self.split]
+                self.residual, self.split, self.output]
 
 
 @dataclasses.dataclass
@@ -83,7 +84,7 @@ class WeaveReport:
         return sum(g.matched_count for g in self.graphs)
 
     def __str__(self) -> str:
-        header = ["site", "group", "fused", "form / reason", "kernel", "residual", "split"]
+        header = ["site", "group", "fused", "form / reason", "kernel", "residual", "split", "output"]
         lines = [f"tokenweave: {len(self.graphs)} graph(s), {len(self.sites)} all_reduce site(s), "
                  f"{self.matched_count} fused"]
         for g in self.graphs:

@@ -98,7 +98,9 @@ def test_push_matches_float64_oracle(c):
     assert ranks.barrier_state() == (0, 0), "barrier timeouts / signal pads not reset"
 
 
-def test_push_1000_back_to_back_calls():
+@pytest.mark.parametrize("ring", [False, True], ids=["fresh", "ring"])
+def test_push_1000_back_to_back_calls(ring):
+    """ring: the outputs alternate ring slots 1 and 2 (each checked before its slot comes back)."""
     H, Ts = 4096, (512, 77, 1)
     ranks = EmulatedRanks.create(WORLD, H, max(Ts), dtype=torch.bfloat16)
     weight = torch.randn(H, device="cuda").bfloat16()
@@ -107,7 +109,8 @@ def test_push_1000_back_to_back_calls():
         T = Ts[i % len(Ts)]
         c = make_case(T, H, "bf16", bias=False, seed=10_000 + i)
         xs, residual, _, _ = make_inputs(c, WORLD, "cuda")
-        outs = push_allreduce_rmsnorm(ranks, xs, [residual] * WORLD, None, weight)
+        outs = push_allreduce_rmsnorm(ranks, xs, [residual] * WORLD, None, weight,
+                                      out_slot=1 + i % 2 if ring else -1)
         if i % 100 == 0 or i == 999:
             torch.cuda.synchronize()
             ref_n, ref_r = rows_ref(xs, residual, None, weight)
@@ -120,8 +123,11 @@ def test_push_1000_back_to_back_calls():
     assert ranks.barrier_state() == (0, 0)
 
 
-def test_push_cuda_graph_replays_with_new_data():
+@pytest.mark.parametrize("ring", [False, True], ids=["fresh", "ring"])
+def test_push_cuda_graph_replays_with_new_data(ring):
+    """ring: the captured launch leaves its output in ring slot 1."""
     H, T = 4096, 300
+    slot = 1 if ring else -1
     ranks = EmulatedRanks.create(WORLD, H, T, dtype=torch.bfloat16)
     c0 = make_case(T, H, "bf16", bias=False, seed=777)
     xs, residual, _, weight = make_inputs(c0, WORLD, "cuda")
@@ -130,12 +136,13 @@ def test_push_cuda_graph_replays_with_new_data():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up: compiles the kernel outside capture
-        outs = push_allreduce_rmsnorm(ranks, x_static, [r_static] * WORLD, None, weight)
+        outs = push_allreduce_rmsnorm(ranks, x_static, [r_static] * WORLD, None, weight, out_slot=slot)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        outs = push_allreduce_rmsnorm(ranks, x_static, [r_static] * WORLD, None, weight, outputs=outs)
+        outs = push_allreduce_rmsnorm(ranks, x_static, [r_static] * WORLD, None, weight, outputs=outs,
+                                      out_slot=slot)
     for k in range(5):
         c = make_case(T, H, "bf16", bias=False, seed=900 + k)
         xs, residual, _, _ = make_inputs(c, WORLD, "cuda")
@@ -155,6 +162,44 @@ def test_push_cuda_graph_replays_with_new_data():
         eager = push_allreduce_rmsnorm(ranks, xs, [residual] * WORLD, None, weight)
         torch.cuda.synchronize()
         assert check_outputs(c, WORLD, 0, *eager[0], ref_n, ref_r)[0]
+    assert ranks.barrier_state() == (0, 0)
+
+
+@pytest.mark.parametrize("c", [make_case(4099, 4096, "bf16", res="shard_both", seed=201),
+                               make_case(257, 5120, "bf16", res_dtype="fp32", mid="bf16", seed=202),
+                               make_case(3, 2048, "fp16", res="full", seed=203),
+                               make_case(1000, 8192, "fp32", out_dtype="bf16", ctas=8, seed=204)],
+                         ids=lambda c: f"T={c['T']} H={c['H']} {c['dtype']} {c['res']}")
+def test_push_output_left_in_the_ring(c):
+    """out_slot: the normed output is the ring slot itself, equal to the oracle, with the other
+    slots (staging slot 0 included) untouched; a launch on the other slot leaves it intact."""
+    ranks = _ranks_for(c, max_tokens=c["T"] + 64)  # peers' slots start elsewhere than global rows
+    xs, residual, bias, weight = make_inputs(c, WORLD, "cuda")
+    in_sh, out_sh = c["res"] in ("shard_in", "shard_both"), c["res"] in ("shard_out", "shard_both")
+    res_in = [None if residual is None else (shard_rows(residual, WORLD, r) if in_sh else residual)
+              for r in range(WORLD)]
+    kw = dict(residual_out_sharded=out_sh, residual_in_sharded=in_sh, comm_ctas=c["ctas"],
+              mid_dtype=DTYPES[c["mid"]] if c["mid"] else None, weight_offset=c["woff"], eps=1e-6)
+    outs = push_allreduce_rmsnorm(ranks, xs, res_in, bias, weight, out_slot=1, **kw)
+    torch.cuda.synchronize()
+    ref_n, ref_r = reference(c, xs, residual, bias, weight)
+    for r, (normed, res_out) in enumerate(outs):
+        ring = ranks.workspaces[r].out_ring
+        assert normed.data_ptr() == ring[1].data_ptr()
+        assert torch.isnan(ring[0]).all() and torch.isnan(ring[2]).all(), f"rank {r}: stray ring stores"
+        ok, _, _, msg = check_outputs(c, WORLD, r, normed, res_out, ref_n, ref_r)
+        assert ok, f"rank {r}: {msg}"
+    kept = [n.clone() for n, _ in outs]
+    c2 = dict(c, seed=c["seed"] + 1000)
+    xs2, residual2, _, _ = make_inputs(c2, WORLD, "cuda")
+    res_in2 = [None if residual2 is None else (shard_rows(residual2, WORLD, r) if in_sh else residual2)
+               for r in range(WORLD)]
+    outs2 = push_allreduce_rmsnorm(ranks, xs2, res_in2, bias, weight, out_slot=2, **kw)
+    torch.cuda.synchronize()
+    ref_n2, ref_r2 = reference(c2, xs2, residual2, bias, weight)
+    for r, ((n1, _), (n2, ro2)) in enumerate(zip(outs, outs2)):
+        assert torch.equal(n1, kept[r]), f"rank {r}: the slot-2 launch changed slot 1"
+        assert check_outputs(c2, WORLD, r, n2, ro2, ref_n2, ref_r2)[0]
     assert ranks.barrier_state() == (0, 0)
 
 

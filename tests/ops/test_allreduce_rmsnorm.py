@@ -130,8 +130,9 @@ def test_one_schema_for_the_fused_op_and_its_async_form():
     for op in (FUSED_OP, START_OP):
         assert tuple(a.name for a in op._schema.arguments) == ARG_NAMES
         assert [str(a.type) for a in op._schema.arguments] == [str(a.type) for a in FUSED_OP._schema.arguments]
-    assert ARG_NAMES[-2:] == ("scale", "eps_tensor")
-    assert all(arg.has_default_value() for arg in FUSED_OP._schema.arguments[-2:])
+    assert ARG_NAMES[-3:] == ("scale", "eps_tensor", "out_slot")
+    assert all(arg.has_default_value() for arg in FUSED_OP._schema.arguments[-3:])
+    assert FUSED_OP._schema.arguments[-1].default_value == -1  # a fresh output unless a pass says so
     assert [a.name for a in WAIT_OP._schema.arguments] == ["normed", "residual_out", "keep_alive"]
     assert WAIT_OP._schema.arguments[0].alias_info.is_write  # readers are ordered after it
 
@@ -175,7 +176,7 @@ def test_symm_kernels_get_every_argument_by_name_and_a_full_workspace_falls_back
     a = mod.bind((x, res, None, w), dict(eps=1e-5, group_name="g", residual_dtype=torch.float32,
                                          out_dtype=torch.bfloat16, mid_dtype=None, weight_offset=1.0,
                                          residual_in_sharded=False, residual_out_sharded=False,
-                                         kernel="p2p", comm_ctas=4))
+                                         kernel="p2p", comm_ctas=4, out_slot=2))
     kernel, ctas = a.pop("kernel"), a.pop("comm_ctas")
     a.pop("eps_tensor")  # as the op does for every kernel but the reference (a CPU eps becomes `eps`)
     normed, res_out = mod._symm(kernel, ctas, **a)
@@ -184,7 +185,7 @@ def test_symm_kernels_get_every_argument_by_name_and_a_full_workspace_falls_back
     assert xs == (6, 8) and rs == (6, 8) and bias is None and ws == (8,)
     assert kw == dict(eps=1e-5, group_name="g", residual_dtype=torch.float32, out_dtype=torch.bfloat16,
                       mid_dtype=None, weight_offset=1.0, residual_in_sharded=False, residual_out_sharded=False,
-                      comm_ctas=4, kernel="p2p")
+                      comm_ctas=4, kernel="p2p", out_slot=2)
 
     def full(*args, **kw):
         raise symm.SymmCapacityError("workspace too small during capture")

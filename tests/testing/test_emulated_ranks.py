@@ -2,7 +2,10 @@
 
 Under ``TRITON_INTERPRET=1`` (a subprocess running this file as a script) the push kernel runs
 for 2 and 3 emulated ranks, one phase of every rank at a time, and is compared with the
-float64 oracle; outputs and regions are NaN-poisoned first.  The GPU runs (concurrent ranks,
+float64 oracle; outputs and regions are NaN-poisoned first. Every case runs twice: with fresh
+outputs, and with the normed output left in a slot of the output ring (``out_slot``), where the
+result must be the ring view itself and the other ring slots (the staging slot 0 included) must
+stay untouched. The GPU runs (concurrent ranks,
 real barriers) are in tests/kernels/test_push.py.
 """
 
@@ -21,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(THIS_FILE))))
 from tests.kernels._symm_cases import (DTYPES, case_name, check_outputs, make_case,  # noqa: E402
                                        make_inputs, reference, run_script, shard_rows)
 from weave_compile.kernels import HAS_TRITON  # noqa: E402
+from weave_compile.kernels.common import OUT_RING_SLOTS  # noqa: E402
 from weave_compile.testing.emulated_ranks import EmulatedRanks, push_allreduce_rmsnorm  # noqa: E402
 
 CASES = [
@@ -44,6 +48,7 @@ def test_pointer_tables_list_every_ranks_regions_and_pads():
             assert t[p] == peer.inp.data_ptr() and t[N + p] == peer.out.data_ptr()
             assert t[2 * N + p] == peer.res.data_ptr() and t[3 * N + p] == ranks.pads[p].data_ptr()
         assert torch.isnan(ws.inp).all() and ws.res.dtype == torch.float32
+        assert ws.out_ring.shape == (OUT_RING_SLOTS, 9, 16) and ws.out_ring[0].data_ptr() == ws.out.data_ptr()
     assert ranks.barrier_state() == (0, 0)
     with pytest.raises(RuntimeError, match="CUDA"):
         ranks.run(lambda r, ws: None)
@@ -61,13 +66,16 @@ def test_push_kernel_through_emulated_ranks_in_cpu_interpreter(world):
 def _main(world: int) -> int:
     torch.set_num_threads(1)
     fails = 0
-    for c in CASES:
+    ring_slots = range(1, OUT_RING_SLOTS)  # slot 0 is the copying launches' staging
+    for c, out_slot in [(c, s) for k, c in enumerate(CASES) for s in (-1, ring_slots[k % len(ring_slots)])]:
         xs, residual, bias, weight = make_inputs(c, world, "cpu")
         dt = xs[0].dtype
         rdt = DTYPES[c["res_dtype"]] if c["res_dtype"] else dt
         odt = DTYPES[c["out_dtype"]] if c["out_dtype"] else dt
         in_sh, out_sh = c["res"] in ("shard_in", "shard_both"), c["res"] in ("shard_out", "shard_both")
-        ranks = EmulatedRanks.create(world, c["H"], c["T"], dtype=dt, out_dtype=odt,
+        # Room for more rows than T: the peers' slots ([N, capacity / N]) then start elsewhere
+        # than the global rows, and an output in the ring must be addressed by global row.
+        ranks = EmulatedRanks.create(world, c["H"], c["T"] + 5 * world, dtype=dt, out_dtype=odt,
                                      residual_dtype=rdt, device="cpu")
         S = math.ceil(c["T"] / world)
         outputs = [(torch.full((c["T"], c["H"]), float("nan"), dtype=odt),
@@ -78,11 +86,20 @@ def _main(world: int) -> int:
         outs = push_allreduce_rmsnorm(ranks, xs, res_in, bias, weight, residual_out_sharded=out_sh,
                                       residual_in_sharded=in_sh, comm_ctas=c["ctas"],
                                       mid_dtype=DTYPES[c["mid"]] if c["mid"] else None,
-                                      weight_offset=c["woff"], outputs=outputs)
+                                      weight_offset=c["woff"], out_slot=out_slot,
+                                      outputs=None if out_slot >= 0 else outputs)
         ref_n, ref_r = reference(c, xs, residual, bias, weight)
         for r, (n, ro) in enumerate(outs):
             ok, en, er, msg = check_outputs(c, world, r, n, ro, ref_n, ref_r)
-            print(f"[rank {r}] {case_name(c):60s} {'ok' if ok else 'FAIL'} {msg}", flush=True)
+            ring = ranks.workspaces[r].out_ring
+            if out_slot >= 0:
+                written = [k for k in range(OUT_RING_SLOTS) if k != out_slot and not torch.isnan(ring[k]).all()]
+                if n.data_ptr() != ring[out_slot].data_ptr():
+                    ok, msg = False, f"normed is not ring slot {out_slot}"
+                elif written:  # no staging copy, no stray store
+                    ok, msg = False, f"ring slot(s) {written} written"
+            print(f"[rank {r}] {case_name(c):60s} out_slot={out_slot:2d} {'ok' if ok else 'FAIL'} {msg}",
+                  flush=True)
             fails += not ok
     print("EMULATED-PUSH OK" if fails == 0 else f"{fails} failures")
     return 1 if fails else 0

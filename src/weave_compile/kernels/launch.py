@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -27,7 +28,9 @@ from .common import (DEFAULT_COMM_CTAS, HAS_TRITON, MAX_CTAS, SUPPORTED_DTYPES, 
 from .pull import pull_allreduce_rmsnorm_kernel
 from .push import push_allreduce_rmsnorm_kernel
 from .select import SYMM_KERNELS, check_hidden
-from .workspace import SymmCapacityError, SymmWorkspace, get_workspace
+from .workspace import SymmCapacityError, SymmWorkspace, get_workspace, ring_output
+
+logger = logging.getLogger(__name__)
 
 #: Kernels that read a staged copy of x (``p2p_pull`` is a measurement hook, see testing.ptx).
 PULL_KERNELS = ("multimem", "p2p_pull")
@@ -176,8 +179,11 @@ def launch_push(ws: SymmWorkspace, x, residual, bias, weight, normed, residual_o
                 num_tokens: int, mid_dtype, residual_in_sharded: bool, residual_out_sharded: bool,
                 eps: float, weight_offset: float, comm_ctas: int, num_warps: Optional[int],
                 meta: Optional[LaunchMeta] = None, phases: int = 7, sync: bool = True,
-                compile_only: bool = False) -> LaunchMeta:
+                compile_only: bool = False, out_slot: int = -1) -> LaunchMeta:
     """Launch the push kernel: x, residual and the outputs are ordinary tensors.
+
+    With ``out_slot >= 0``, ``normed`` must be :func:`.workspace.ring_output` of that slot: the
+    kernel leaves the normed rows there (peers push into the same slot) and copies none.
 
     ``meta`` overrides the launch shape (benchmarks: :func:`push_v1_meta`); ``phases`` and
     ``sync`` are the kernel's measurement / simulation hooks (see :mod:`.push`);
@@ -187,6 +193,10 @@ def launch_push(ws: SymmWorkspace, x, residual, bias, weight, normed, residual_o
     S = math.ceil(num_tokens / N)
     dummy = ws.ptr_table
     residual, bias, weight = _norm_inputs(residual, bias, weight)
+    if out_slot >= 0:
+        ring = ring_output(ws, out_slot, num_tokens)
+        if normed.data_ptr() != ring.data_ptr() or normed.stride(0) != H:
+            raise ValueError(f"out_slot={out_slot}: normed must be the workspace's ring slot view")
     if meta is None:
         meta = push_meta(H, S, comm_ctas, N, x.dtype.itemsize, residual_out.dtype.itemsize, num_warps)
     consts = push_constexprs(
@@ -200,9 +210,10 @@ def launch_push(ws: SymmWorkspace, x, residual, bias, weight, normed, residual_o
             normed, residual_out, ws.status,
             num_tokens, S, ws.capacity // N, ws.rank, ws.pad_offset,
             x.stride(0), residual.stride(0) if residual is not None else 0,
-            normed.stride(0), residual_out.stride(0), float(eps), float(weight_offset))
-    kwargs = dict(PHASES=int(phases), SYNC=bool(sync), num_warps=meta.num_warps, num_stages=1,
-                  **consts)
+            normed.stride(0), residual_out.stride(0), float(eps), float(weight_offset),
+            max(out_slot, 0) * ws.capacity)
+    kwargs = dict(OUT_IN_REGION=out_slot >= 0, PHASES=int(phases), SYNC=bool(sync),
+                  num_warps=meta.num_warps, num_stages=1, **consts)
     if compile_only:  # compile (or find) the binary this launch would run, launch nothing
         push_allreduce_rmsnorm_kernel.warmup(*args, grid=(meta.grid,), **kwargs)
     else:
@@ -215,9 +226,12 @@ def allreduce_rmsnorm_on(ws: SymmWorkspace, x: torch.Tensor, residual=None, bias
                          mid_dtype: Optional[torch.dtype] = None, weight_offset: float = 0.0,
                          residual_in_sharded: bool = False, residual_out_sharded: bool = False,
                          comm_ctas: int = DEFAULT_COMM_CTAS, num_warps: Optional[int] = None,
-                         **push_hooks) -> tuple[torch.Tensor, torch.Tensor]:
+                         out_slot: int = -1, **push_hooks) -> tuple[torch.Tensor, torch.Tensor]:
     """One rank's launch of ``kernel`` on workspace ``ws`` (``x`` [T, H], T >= 1, checked).
 
+    ``out_slot >= 0`` (``p2p`` only; the other kernels return fresh outputs): the normed output
+    is a view of that ring slot of the workspace's output region, valid until the next launch
+    that uses the slot (:mod:`weave_compile.passes.output_in_place` proves who reads it when).
     ``push_hooks`` (``meta``, ``phases``, ``sync``) go to :func:`launch_push`."""
     T, H = x.shape
     N = ws.world_size
@@ -234,12 +248,19 @@ def allreduce_rmsnorm_on(ws: SymmWorkspace, x: torch.Tensor, residual=None, bias
         if inp_lo <= x.data_ptr() < inp_lo + ws.inp.numel() * ws.inp.element_size():
             x = x.clone()
         x = x if x.is_contiguous() else x.contiguous()
-        normed = torch.empty((T, H), dtype=ws.out_dtype, device=dev)
+        if out_slot >= 0 and _overlaps_ring_slot(ws, out_slot, x, residual, bias, weight):
+            # The pass proves no input is the slot's previous output; this is the last guard.
+            logger.warning("push kernel: an input lives in output ring slot %d; copying the output "
+                           "out instead", out_slot)
+            out_slot = -1
+        normed = ring_output(ws, out_slot, T) if out_slot >= 0 else torch.empty(
+            (T, H), dtype=ws.out_dtype, device=dev)
         residual_out = res_shard if residual_out_sharded else torch.empty(
             (T, H), dtype=ws.res_dtype, device=dev)
         with ctx:
             launch_push(ws, x, residual, bias, weight, normed, residual_out, num_tokens=T,
-                        residual_out_sharded=residual_out_sharded, **norm_kw, **push_hooks)
+                        residual_out_sharded=residual_out_sharded, out_slot=out_slot, **norm_kw,
+                        **push_hooks)
         return normed, residual_out
     if kernel not in PULL_KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {SYMM_KERNELS}")
@@ -251,6 +272,20 @@ def allreduce_rmsnorm_on(ws: SymmWorkspace, x: torch.Tensor, residual=None, bias
                     residual_out=res_shard, use_multimem=kernel == "multimem", **norm_kw)
     # Copies, not views: the next launch on this channel overwrites the buffers.
     return ws.out[:T].clone(), res_shard if residual_out_sharded else ws.res[:T].clone()
+
+
+def _overlaps_ring_slot(ws: SymmWorkspace, slot: int, *tensors) -> bool:
+    """True if any of ``tensors`` has memory in ring slot ``slot`` of ``ws``'s output region."""
+    ring = ws.out_ring[slot]
+    lo, hi = ring.data_ptr(), ring.data_ptr() + ring.numel() * ring.element_size()
+    for t in tensors:
+        if t is None or t.numel() == 0:
+            continue
+        t_lo = t.data_ptr()
+        t_hi = t_lo + (1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))) * t.element_size()
+        if t_lo < hi and lo < t_hi:
+            return True
+    return False
 
 
 def check_call(x, residual, bias, weight, *, residual_dtype, out_dtype, mid_dtype,
@@ -296,13 +331,16 @@ def fused_allreduce_rmsnorm_symm(
     kernel: str = "p2p",
     channel: int = 0,
     num_warps: Optional[int] = None,
+    out_slot: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All-reduce ``x`` over ``group_name``, add bias/residual, RMSNorm.
 
     ``kernel``: one of :data:`SYMM_KERNELS` (``p2p``: :mod:`.push`; ``multimem``:
     :mod:`.pull`, only with a multicast object).  Returns ``(normed [T, H] out_dtype,
     residual_out)`` where ``residual_out`` is this rank's shard [S, H] (rows >= T zero) if
-    ``residual_out_sharded`` else [T, H].  Collective: every rank must call it with the same
+    ``residual_out_sharded`` else [T, H].  ``out_slot >= 0`` (``p2p``): ``normed`` is a view
+    of that slot of the workspace's output ring (no copy of the peers' rows), overwritten by
+    the next launch on the slot; -1: a fresh tensor.  Collective: every rank must call it with the same
     shapes, flags, ``comm_ctas`` and ``channel``; two launches that may run concurrently
     need different channels.  Raises :class:`SymmCapacityError` if the workspace is too
     small during CUDA graph capture (call :func:`reserve` first)."""
@@ -314,11 +352,11 @@ def fused_allreduce_rmsnorm_symm(
                   residual_dtype=residual_dtype, out_dtype=out_dtype, mid_dtype=mid_dtype,
                   weight_offset=weight_offset, residual_in_sharded=residual_in_sharded,
                   residual_out_sharded=residual_out_sharded, comm_ctas=comm_ctas, kernel=kernel,
-                  channel=channel, num_warps=num_warps)
+                  channel=channel, num_warps=num_warps, out_slot=out_slot)
 
 
 def _fused(x, residual, bias, weight, *, group_name, residual_dtype, out_dtype, mid_dtype,
-           residual_in_sharded, residual_out_sharded, comm_ctas, kernel, channel, **kw):
+           residual_in_sharded, residual_out_sharded, comm_ctas, kernel, channel, out_slot=-1, **kw):
     """:func:`fused_allreduce_rmsnorm_symm` for any kernel (``p2p_pull`` included)."""
     residual_dtype, out_dtype = check_call(
         x, residual, bias, weight, residual_dtype=residual_dtype, out_dtype=out_dtype,
@@ -326,7 +364,8 @@ def _fused(x, residual, bias, weight, *, group_name, residual_dtype, out_dtype, 
         world_size=None)
     T, H = x.shape
     ws = get_workspace(group_name, x.dtype, H, max(T, 1), out_dtype=out_dtype,
-                       residual_dtype=residual_dtype, channel=channel, device=x.device)
+                       residual_dtype=residual_dtype, channel=channel, device=x.device,
+                       ring=out_slot >= 0 and kernel == "p2p")
     if ws is None:
         raise SymmCapacityError(
             f"no symmetric workspace with room for {T} tokens (H={H}, channel={channel}) "
@@ -347,4 +386,4 @@ def _fused(x, residual, bias, weight, *, group_name, residual_dtype, out_dtype, 
     return allreduce_rmsnorm_on(ws, x, residual, bias, weight, kernel=kernel,
                                 mid_dtype=mid_dtype, residual_in_sharded=residual_in_sharded,
                                 residual_out_sharded=residual_out_sharded, comm_ctas=comm_ctas,
-                                **kw)
+                                out_slot=out_slot, **kw)

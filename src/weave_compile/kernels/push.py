@@ -11,6 +11,13 @@ With ``N`` ranks and ``T`` rows padded to ``S * N`` (``S = ceil(T / N)``), rank 
    are pushed into slot ``[r]`` of every peer's output (and residual) region;
 3. *gather*: copy the rows peers pushed into our output slots to the outputs.
 
+With ``OUT_IN_REGION`` the normed output is itself a view of this rank's output region (slot
+``out_ring_row // capacity`` of the ring, :data:`weave_compile.kernels.common.OUT_RING_SLOTS`):
+phase 2 pushes every row to the same global row of each peer's region, so the peers' rows are in
+place when the last barrier passes and phase 3 copies nothing for it (the second copy of the
+peers' rows is gone).  Who may read such an output, and until when, is proved at compile time
+(:mod:`weave_compile.passes.output_in_place`).
+
 ``x`` is read where it is and the outputs are written where they will live: no staging copy,
 no copy-out of our own rows.  CTA ``b`` handles the same shard-local rows ``j`` in every phase
 and for every owner, so the CTA-pairwise barriers order exactly the rows each pair exchanges.
@@ -76,11 +83,12 @@ if HAS_TRITON:
         X,  # this rank's partial sums [T, H], any (non-symmetric) memory
         RESIDUAL,  # [T, H] or this rank's shard [S, H]
         BIAS, WEIGHT,  # [H]
-        NORMED,  # [T, H] output, regular memory
+        NORMED,  # [T, H] output: regular memory, or our output region's ring slot (OUT_IN_REGION)
         RESIDUAL_OUT,  # [T, H] or this rank's shard [S, H], regular memory
         STATUS,  # *i32 [1]: barrier timeouts
         num_tokens, rows_per_rank, slot_rows, rank, pad_offset,  # T, S, capacity / N, r, slot
         stride_x_row, stride_res_row, stride_out_row, stride_res_out_row, eps, weight_offset,
+        out_ring_row,  # OUT_IN_REGION: first row of the ring slot NORMED is, in every out region
         WORLD_SIZE: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_ROWS: tl.constexpr, COPY_UNROLL: tl.constexpr, COPY_STAGES: tl.constexpr,
         NORM_UNROLL: tl.constexpr, NORM_STAGES: tl.constexpr,
@@ -88,7 +96,7 @@ if HAS_TRITON:
         MID_DTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
         HAS_WEIGHT: tl.constexpr, HAS_MID: tl.constexpr, RESIDUAL_IN_SHARDED: tl.constexpr,
         RESIDUAL_OUT_SHARDED: tl.constexpr, SPIN_LIMIT: tl.constexpr, FENCE_ASM: tl.constexpr,
-        PHASES: tl.constexpr = 7, SYNC: tl.constexpr = True,
+        OUT_IN_REGION: tl.constexpr = False, PHASES: tl.constexpr = 7, SYNC: tl.constexpr = True,
     ):
         pid = tl.program_id(0)
         step = tl.num_programs(0) * BLOCK_ROWS
@@ -139,21 +147,27 @@ if HAS_TRITON:
                         p = (rank + q) % WORLD_SIZE
                         tl.store(_region(PTR_TABLE, 2, p, RES_DTYPE, WORLD_SIZE) + slot, res, mask=m)
                 tl.store(NORMED + rows[:, None] * stride_out_row + cols[None, :], normed, mask=m)
+                if OUT_IN_REGION:  # the global row of the peers' ring slot: their output itself
+                    out_at = (out_ring_row + rows)[:, None] * HIDDEN + cols[None, :]
+                else:
+                    out_at = slot
                 for q in tl.static_range(1, WORLD_SIZE):
                     p = (rank + q) % WORLD_SIZE
-                    tl.store(_region(PTR_TABLE, 1, p, OUT_DTYPE, WORLD_SIZE) + slot, normed, mask=m)
+                    tl.store(_region(PTR_TABLE, 1, p, OUT_DTYPE, WORLD_SIZE) + out_at, normed, mask=m)
         if SYNC:
             block_barrier(PTR_TABLE, STATUS, rank, pad_offset, WORLD_SIZE, SPIN_LIMIT, FENCE_ASM)
 
-        # 3. gather: the peers pushed their rows into our slots; copy them to the outputs.
+        # 3. gather: the peers pushed their rows into our slots; copy them to the outputs
+        # (the normed rows are in place already with OUT_IN_REGION).
         if PHASES & 4:
             out_base = _region(PTR_TABLE, 1, rank, OUT_DTYPE, WORLD_SIZE)
             res_base = _region(PTR_TABLE, 2, rank, RES_DTYPE, WORLD_SIZE)
             for q in tl.static_range(1, WORLD_SIZE):
                 p = (rank + q) % WORLD_SIZE
-                _copy_phase(out_base, HIDDEN, False, NORMED, stride_out_row, True, p * slot_rows,
-                            0, p, pid, step, rows_per_rank, num_tokens, cols, col_ok, BLOCK_ROWS,
-                            COPY_UNROLL, COPY_STAGES)
+                if not OUT_IN_REGION:
+                    _copy_phase(out_base, HIDDEN, False, NORMED, stride_out_row, True,
+                                p * slot_rows, 0, p, pid, step, rows_per_rank, num_tokens, cols,
+                                col_ok, BLOCK_ROWS, COPY_UNROLL, COPY_STAGES)
                 if not RESIDUAL_OUT_SHARDED:
                     _copy_phase(res_base, HIDDEN, False, RESIDUAL_OUT, stride_res_out_row, True,
                                 p * slot_rows, 0, p, pid, step, rows_per_rank, num_tokens, cols,

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from .common import MAX_CTAS, MAX_WORLD_SIZE
+from .common import MAX_CTAS, MAX_WORLD_SIZE, OUT_RING_SLOTS
 from .sync import pad_offset_for
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,11 @@ class SymmWorkspace:
 
     One ``symm_mem.empty`` uint8 allocation, one ``rendezvous``; three row-major regions
     ``inp`` [cap, H] (x dtype), ``out`` [cap, H] (out dtype), ``res`` [cap, H] (residual
-    dtype; used only when the residual output is all-gathered).  ``ptr_table`` holds, for
+    dtype; used only when the residual output is all-gathered).  The output region is slot 0
+    of ``out_ring`` [slots, cap, H]; a workspace asked for the ring (``ring=True``) has
+    OUT_RING_SLOTS of them, where the push kernel may leave its normed output
+    (:func:`ring_output`); others have one, so the ring costs memory only where it is used.
+    ``ptr_table`` holds, for
     every rank, the peer-mapped addresses of the three regions and of its signal pad,
     followed by the multicast addresses (0 when there is no multicast object)."""
 
@@ -79,6 +83,7 @@ class SymmWorkspace:
     multicast_ptr: int
     pad_offset: int
     used_in_capture: bool = False
+    out_ring: Optional[torch.Tensor] = None  # [OUT_RING_SLOTS, cap, H]; ``out`` is its slot 0
 
     def check_status(self) -> int:
         """Number of barrier timeouts recorded so far (synchronises the device)."""
@@ -130,7 +135,7 @@ def _round_capacity(padded_rows: int, world_size: int) -> int:
 
 
 def _allocate_workspace(group_name, device, in_dtype, out_dtype, res_dtype, hidden, channel,
-                        capacity) -> SymmWorkspace:
+                        capacity, out_slots: int = 1) -> SymmWorkspace:
     """Collective: every rank of ``group_name`` must call it with the same arguments."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
@@ -139,7 +144,7 @@ def _allocate_workspace(group_name, device, in_dtype, out_dtype, res_dtype, hidd
     _ensure_group_enabled(group_name)
 
     off_in, off_out = 0, region_bytes(capacity, hidden, in_dtype)
-    off_res = off_out + region_bytes(capacity, hidden, out_dtype)
+    off_res = off_out + out_slots * region_bytes(capacity, hidden, out_dtype)
     total = off_res + region_bytes(capacity, hidden, res_dtype)
     # Normal (non-inference) tensors: copy_ into them must work inside and outside
     # torch.inference_mode().
@@ -202,18 +207,32 @@ def _allocate_workspace(group_name, device, in_dtype, out_dtype, res_dtype, hidd
             world_size=world_size, buffer=buf, handle=handle, inp=_view(off_in, in_dtype),
             out=_view(off_out, out_dtype), res=_view(off_res, res_dtype), ptr_table=ptr_table,
             status=status, multicast_ptr=mc_base, pad_offset=pad_off)
+        # capacity is a multiple of 256 rows: the ring's regions are contiguous, unpadded.
+        n_out = out_slots * capacity * hidden * out_dtype.itemsize
+        ws.out_ring = buf[off_out:off_out + n_out].view(out_dtype).view(out_slots, capacity, hidden)
     logger.info("symm workspace group=%s rank=%d/%d H=%d dtypes=%s/%s/%s channel=%d "
-                "capacity=%d rows (%.1f MiB) multicast=%s", group_name, rank, world_size,
-                hidden, in_dtype, out_dtype, res_dtype, channel, capacity, total / 2**20,
-                bool(mc))
+                "capacity=%d rows, %d output slot(s) (%.1f MiB) multicast=%s", group_name, rank,
+                world_size, hidden, in_dtype, out_dtype, res_dtype, channel, capacity, out_slots,
+                total / 2**20, bool(mc))
     return ws
+
+
+def ring_output(ws: SymmWorkspace, slot: int, num_tokens: int) -> torch.Tensor:
+    """[T, H] view of ring slot ``slot`` of this rank's output region (``0 <= slot <
+    OUT_RING_SLOTS``): where the push kernel leaves a normed output in place."""
+    if ws.out_ring is None or not 0 <= slot < ws.out_ring.shape[0]:
+        raise ValueError(f"output ring slot {slot} out of range for this workspace "
+                         f"({0 if ws.out_ring is None else ws.out_ring.shape[0]} slots; ring=True "
+                         "allocates OUT_RING_SLOTS)")
+    return ws.out_ring[slot, :num_tokens]
 
 
 def get_workspace(group_name: str, dtype: torch.dtype, hidden: int, num_tokens: int, *,
                   out_dtype: Optional[torch.dtype] = None,
                   residual_dtype: Optional[torch.dtype] = None, channel: int = 0,
-                  device: Optional[torch.device] = None) -> Optional[SymmWorkspace]:
-    """The cached workspace with room for ``num_tokens`` rows (padded to S*N).
+                  device: Optional[torch.device] = None, ring: bool = False) -> Optional[SymmWorkspace]:
+    """The cached workspace with room for ``num_tokens`` rows (padded to S*N), and the output
+    ring if ``ring`` (a workspace without it is replaced by one with it, as for growth).
 
     Allocating or growing is collective (rendezvous): all ranks must call this with the
     same arguments, which they do when they run the same model step.  Never grows while
@@ -228,12 +247,14 @@ def get_workspace(group_name: str, dtype: torch.dtype, hidden: int, num_tokens: 
     key = _ws_key(group_name, dtype, out_dtype, residual_dtype, hidden, channel, device)
     ws = _WORKSPACES.get(key)
     capturing = torch.cuda.is_current_stream_capturing()
+    slots = OUT_RING_SLOTS if ring else 1
     if ws is not None:
         s = math.ceil(num_tokens / ws.world_size)
-        if s * ws.world_size <= ws.capacity:
+        if s * ws.world_size <= ws.capacity and ws.out_ring.shape[0] >= slots:
             if capturing:
                 ws.used_in_capture = True
             return ws
+        slots = max(slots, ws.out_ring.shape[0])  # never drop a ring it already had
     if capturing:
         logger.warning("symm workspace for %s (H=%d, %d tokens, channel %d) missing or too "
                        "small during CUDA graph capture; call reserve() before capturing",
@@ -250,8 +271,11 @@ def get_workspace(group_name: str, dtype: torch.dtype, hidden: int, num_tokens: 
 
     # Growing at run time can happen inside cudagraph trees' warm-up (a symbolic T above the
     # compile-time reservation); allocated there, the workspace's tensors fail the pool check.
+    if ws is not None:
+        capacity = max(capacity, ws.capacity)  # never shrink (growing for the ring alone)
     new = run_outside_graph_pool(lambda: _allocate_workspace(
-        group_name, device, dtype, out_dtype, residual_dtype, hidden, channel, capacity), device)
+        group_name, device, dtype, out_dtype, residual_dtype, hidden, channel, capacity, slots),
+        device)
     _WORKSPACES[key] = new
     return new
 
@@ -265,13 +289,13 @@ def _group_size(group_name: str) -> int:
 def reserve(group_name: str, dtype: torch.dtype, hidden: int, max_tokens: int, *,
             out_dtype: Optional[torch.dtype] = None,
             residual_dtype: Optional[torch.dtype] = None, channel: int = 0,
-            device: Optional[torch.device] = None) -> SymmWorkspace:
-    """Pre-allocate (collectively) a workspace for up to ``max_tokens`` rows; call it
-    before CUDA graph capture."""
+            device: Optional[torch.device] = None, ring: bool = False) -> SymmWorkspace:
+    """Pre-allocate (collectively) a workspace for up to ``max_tokens`` rows (and the output
+    ring if ``ring``); call it before CUDA graph capture."""
     if torch.cuda.is_current_stream_capturing():
         raise SymmCapacityError("reserve() must be called outside CUDA graph capture")
     ws = get_workspace(group_name, dtype, hidden, max_tokens, out_dtype=out_dtype,
-                       residual_dtype=residual_dtype, channel=channel, device=device)
+                       residual_dtype=residual_dtype, channel=channel, device=device, ring=ring)
     assert ws is not None
     return ws
 

@@ -62,6 +62,7 @@ def _arguments(
     comm_ctas: int,
     scale: Optional[torch.Tensor] = None,
     eps_tensor: Optional[torch.Tensor] = None,
+    out_slot: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The one definition of the fused op's arguments (never called).
 
@@ -72,6 +73,11 @@ def _arguments(
     ``eps_tensor`` (a 0-d tensor), when given, replaces ``eps``: under ``torch.compile(dynamic=True)``
     Dynamo turns a model's Python-float eps into a graph input. The symmetric-memory kernels read
     it on the host, so the pass gives them only a CPU one (no device sync).
+    ``out_slot`` >= 0 lets the ``p2p`` kernel leave ``normed`` in that slot of the group's
+    symmetric output ring instead of copying the peers' rows out: the result is then a view of
+    memory the next call on that slot overwrites (on every rank), which is only correct where
+    :mod:`weave_compile.passes.output_in_place` proved every reader runs before that call. -1 (and
+    every other kernel): a fresh tensor.
     """
     raise NotImplementedError
 
@@ -95,6 +101,7 @@ def _fused(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     a = bind(args, kwargs)
     kernel = a.pop("kernel")
     comm_ctas = a.pop("comm_ctas")
+    out_slot = a.pop("out_slot")
     if kernel != "reference":
         # Only the reference takes a tensor eps; the kernels get a CPU 0-d one (the pass sees to
         # it), read on the host with no device sync.
@@ -106,7 +113,7 @@ def _fused(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     if a["scale"] is not None and kernel in NO_SCALE_KERNELS:
         raise ValueError("weave::allreduce_add_rmsnorm: the symmetric-memory kernels take no scale")
     if kernel in SYMM_KERNELS and a["x"].is_cuda:
-        out = _symm(kernel, comm_ctas, **a)
+        out = _symm(kernel, comm_ctas, out_slot=out_slot, **a)
         if out is not None:
             return out
     elif kernel == "oneshot" and a["x"].is_cuda:

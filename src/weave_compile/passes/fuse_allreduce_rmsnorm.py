@@ -418,8 +418,9 @@ def _extra_readers(m: SiteMatch) -> list[tuple[fx.Node, list[fx.Node]]]:
 MIN_RESERVED_ROWS = 8192
 
 
-def _reserve_workspace(group: str, tx: torch.Tensor, residual_dtype: torch.dtype, out_dtype: torch.dtype) -> None:
-    """Allocate the symmetric workspace now, outside any CUDA-graph pool.
+def _reserve_workspace(group: str, tx: torch.Tensor, residual_dtype: torch.dtype, out_dtype: torch.dtype,
+                       ring: bool = False) -> None:
+    """Allocate the symmetric workspace now (with the output ring if ``ring``), outside any CUDA-graph pool.
 
     Run-time allocation would land in the pool of cudagraph trees' warm-up under
     mode="reduce-overhead" (which rejects live allocations it does not own). Collective: every
@@ -431,7 +432,7 @@ def _reserve_workspace(group: str, tx: torch.Tensor, residual_dtype: torch.dtype
         hint = d if isinstance(d, int) else d.node.hint
         rows *= int(hint) if hint is not None else MIN_RESERVED_ROWS
     symm.reserve(group, tx.dtype, int(tx.shape[-1]), max(rows, MIN_RESERVED_ROWS), out_dtype=out_dtype,
-                 residual_dtype=residual_dtype, device=tx.device)
+                 residual_dtype=residual_dtype, device=tx.device, ring=ring)
 
 
 def _static_rows(tx: torch.Tensor) -> Optional[int]:
@@ -516,7 +517,7 @@ class FuseAllReduceRMSNormPass(WeavePass):
             if kernel != "reference" and eps_node is not None and val(eps_node).device.type != "cpu":
                 kernel, kernel_reason = "reference", "eps is a device tensor: the kernels read it on the host"
             if kernel in ("p2p", "multimem"):
-                _reserve_workspace(group, tx, tres.dtype, tout.dtype)
+                _reserve_workspace(group, tx, tres.dtype, tout.dtype, ring=self.config.output_in_place)
             elif kernel == "oneshot":
                 _reserve_oneshot(group, tx, val(m.residual) if m.residual is not None else None)
         w = m.norm.weight

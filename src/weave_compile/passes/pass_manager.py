@@ -7,9 +7,13 @@
 2. ``split`` (:mod:`.split_tokens`): token prefix/suffix halves, their fused communication on a
    second stream, TokenWeave's interleaved schedule.
 3. ``shard`` (:mod:`.shard_residual`): residuals passed only between fused sites stay sharded.
+4. ``output`` (:mod:`.output_in_place`): a ``p2p`` fused op's normed output stays in the symmetric
+   output ring where the peers pushed it, where every reader provably runs before the ring slot
+   is written again (option ``output_in_place``; off by default).
 
-Split runs after fuse because fused sites delimit its segments; shard runs last because it
-rewrites fused ops only, and per half after a split (each half's residual has its own rows).
+Split runs after fuse because fused sites delimit its segments; shard runs after split because it
+rewrites fused ops only, and per half after a split (each half's residual has its own rows);
+output runs last, on the final graph, because its proof is about every reader of every output.
 Each pass returns what it did; the manager assembles the graph's report from that.
 
 The manager is an Inductor ``CustomGraphPass``: its ``uuid()`` combines every pass's uuid, the
@@ -34,6 +38,7 @@ from weave_compile.ops import FUSED_OP, START_OP
 from . import base, graph_utils
 from .fuse_allreduce_rmsnorm import FuseAllReduceRMSNormPass
 from .merge_all_reduces import MergeAllReducesPass, annotate_merged
+from .output_in_place import OFF, OutputInPlacePass
 from .shard_residual import ShardResidualPass
 from .split_tokens import SplitTokensPass
 
@@ -54,10 +59,23 @@ class WeavePassManager(CustomGraphPass):
         self.fuse = FuseAllReduceRMSNormPass(config)
         self.split = SplitTokensPass(config)
         self.shard = ShardResidualPass()
+        self.output = OutputInPlacePass()
 
     @property
     def passes(self) -> list[base.WeavePass]:
-        return [self.merge, self.fuse, self.split, self.shard]
+        return [self.merge, self.fuse, self.split, self.shard, self.output]
+
+    def _output_allowed(self) -> tuple[bool, str]:
+        """Whether outputs may stay in the ring, and what the report says when not."""
+        if not self.config.output_in_place:
+            return False, OFF
+        if self.compiler == "inductor":
+            from weave_compile.ops import lowering
+
+            why = lowering.install()
+            if why is not None:
+                return False, f"copied (no never-reuse lowering for Inductor: {why})"
+        return True, ""
 
     def __call__(self, graph: fx.Graph) -> None:
         report = report_mod.new_graph(self.compiler)
@@ -67,12 +85,14 @@ class WeavePassManager(CustomGraphPass):
         sites = annotate_merged(self.fuse(graph), merges)
         split = self.split(graph)
         residual = self.shard(graph) if self.config.shard_residual else {}
+        output = self.output(graph, *self._output_allowed())
         graph.lint()
         # Only a rewriting run can make ranks' collectives differ; fuse=False is plain Inductor.
         self.comm_plans.append(agreement.plan(graph) if self.config.fuse else {})
         after = _count_ops(graph)
         report.sites = [dataclasses.replace(s, residual=residual.get(s.node, s.residual),
-                                            split=SPLIT_SITE if s.node in split.sites else s.split)
+                                            split=SPLIT_SITE if s.node in split.sites else s.split,
+                                            output=output.get(s.node, s.output))
                         for s in sites]
         report.split = split
         report.op_counts = {k: (before[k], after[k]) for k in before}

@@ -7,8 +7,9 @@ package (not the tests folder) can import these.
 import torch
 
 
-def compiled_tp_llama_vs_eager(rank, world_size, mode, token_counts):
-    """On each GPU rank: compile the TP Llama with tokenweave (``mode``), compare with eager per T."""
+def compiled_tp_llama_vs_eager(rank, world_size, mode, token_counts, options=None):
+    """On each GPU rank: compile the TP Llama with tokenweave (``mode``, ``options``), compare with
+    eager per T. Returns (errors, fused sites, kernels, expected sites, the sites' output labels)."""
     import torch.distributed as dist
 
     import weave_compile
@@ -18,7 +19,11 @@ def compiled_tp_llama_vs_eager(rank, world_size, mode, token_counts):
     dev = torch.device("cuda", rank)
     d = LlamaDims(hidden=1024, heads=8, kv_heads=4, intermediate=2048, layers=2, bias=True)
     model = TPLlama(d, tp=world_size, rank=rank, group=dist.group.WORLD, dtype=torch.bfloat16, device=dev)
-    compiled = torch.compile(model, backend="tokenweave", mode=mode, dynamic=False)
+    if options:  # torch.compile refuses mode= together with options=
+        compiled = torch.compile(model, backend="tokenweave", dynamic=False,
+                                 options={**options, **({"mode": mode} if mode else {})})
+    else:
+        compiled = torch.compile(model, backend="tokenweave", mode=mode, dynamic=False)
     errs = []
     with torch.no_grad():
         for t in token_counts:
@@ -28,16 +33,18 @@ def compiled_tp_llama_vs_eager(rank, world_size, mode, token_counts):
                 out = compiled(tokens).clone()
                 errs.append(rel_err(out, model(tokens)))
     rep = weave_compile.explain()
-    return errs, rep.matched_count, sorted({s.kernel for s in rep.sites}), expected_fused_sites(d, world_size)
+    return (errs, rep.matched_count, sorted({s.kernel for s in rep.sites}), expected_fused_sites(d, world_size),
+            [s.output for s in rep.sites])
 
 
-def split_tp_llama_vs_eager(rank, world_size, mode, token_counts, repeats=3):
+def split_tp_llama_vs_eager(rank, world_size, mode, token_counts, repeats=3, options=None):
     """On each GPU rank: the token-split TP Llama (two streams) against eager, per T, fresh data.
 
     ``token_counts`` are run in a random order with ``repeats`` calls each; with ``mode=None`` the
     token dimension is marked dynamic (one graph for all T above the threshold), with
     "reduce-overhead" each T is a static CUDA-graph recording replayed with new inputs.
-    Returns (errors, split summaries, split-vs-unsplit errors).
+    ``options`` are added to the split's. Returns (errors, split summaries, split-vs-unsplit
+    errors, the sites' output labels).
     """
     import random
 
@@ -53,7 +60,7 @@ def split_tp_llama_vs_eager(rank, world_size, mode, token_counts, repeats=3):
     dynamic = mode is None
     mode_opt = {"mode": mode} if mode else {}
     split = torch.compile(model, backend="tokenweave", dynamic=False if not dynamic else None,
-                          options={"split": True, **mode_opt})
+                          options={"split": True, **mode_opt, **(options or {})})
     plain = torch.compile(model, backend="tokenweave", dynamic=None, options={"split": False}) if dynamic else None
     order = [t for t in token_counts for _ in range(repeats)]
     random.Random(0).shuffle(order)  # the same order on every rank (collectives in lockstep)
@@ -68,5 +75,6 @@ def split_tp_llama_vs_eager(rank, world_size, mode, token_counts, repeats=3):
             errs.append((t, rel_err(out, model(tokens))))
             if plain is not None:
                 vs_plain.append((t, rel_err(out, plain(tokens))))
-    summaries = [g.split.describe() for g in weave_compile.explain().graphs if g.split is not None]
-    return errs, summaries, vs_plain
+    rep = weave_compile.explain()
+    summaries = [g.split.describe() for g in rep.graphs if g.split is not None]
+    return errs, summaries, vs_plain, [s.output for s in rep.sites]

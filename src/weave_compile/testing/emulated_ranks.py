@@ -31,9 +31,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from weave_compile.kernels import launch
-from weave_compile.kernels.common import MAX_CTAS, interpreting
+from weave_compile.kernels.common import MAX_CTAS, OUT_RING_SLOTS, interpreting
 from weave_compile.kernels.sync import pad_offset_for
-from weave_compile.kernels.workspace import SymmWorkspace, build_ptr_table
+from weave_compile.kernels.workspace import SymmWorkspace, build_ptr_table, ring_output
 
 PAD_WORDS = (32 + 8 * MAX_CTAS) * 8  # channels 0..7 for up to 8 ranks
 
@@ -80,12 +80,14 @@ class EmulatedRanks:
         out_dtype, residual_dtype = out_dtype or dtype, residual_dtype or dtype
         capacity = math.ceil(max(1, max_tokens) / world_size) * world_size
 
-        def region(dt):
-            t = torch.empty((capacity, hidden), dtype=dt, device=device)
+        def region(dt, slots=1):
+            t = torch.empty((slots, capacity, hidden), dtype=dt, device=device)
             return t.fill_(float("nan"))
 
-        regions = [[region(dt) for _ in range(world_size)]
-                   for dt in (dtype, out_dtype, residual_dtype)]
+        # The output region is a ring of OUT_RING_SLOTS regions, as in a real workspace.
+        rings = [region(out_dtype, OUT_RING_SLOTS) for _ in range(world_size)]
+        regions = [[region(dtype)[0] for _ in range(world_size)], [t[0] for t in rings],
+                   [region(residual_dtype)[0] for _ in range(world_size)]]
         pads = [torch.zeros(PAD_WORDS, dtype=torch.int32, device=device) for _ in range(world_size)]
         table = build_ptr_table([[t.data_ptr() for t in ts] for ts in regions],
                                 [p.data_ptr() for p in pads], device=device)
@@ -99,7 +101,7 @@ class EmulatedRanks:
                 # every rank reads the same table (its own row of it by ``rank``), as each
                 # real rank's table lists every peer's mapping of the same buffers
                 ptr_table=table.clone(), status=torch.zeros(1, dtype=torch.int32, device=device),
-                multicast_ptr=0, pad_offset=pad_offset_for(channel, world_size)))
+                multicast_ptr=0, pad_offset=pad_offset_for(channel, world_size), out_ring=rings[r]))
         streams = [torch.cuda.Stream(device) if device.type == "cuda" else None
                    for _ in range(world_size)]
         return cls(wss, streams, pads, device)
@@ -150,12 +152,13 @@ class EmulatedRanks:
 def push_allreduce_rmsnorm(ranks: EmulatedRanks, xs: Sequence[torch.Tensor],
                            residuals: Sequence[Optional[torch.Tensor]], bias=None, weight=None, *,
                            residual_out_sharded: bool = False, comm_ctas: int = 8,
-                           outputs: Optional[list] = None, **kw) -> list:
+                           outputs: Optional[list] = None, out_slot: int = -1, **kw) -> list:
     """The push kernel on every emulated rank: ``[(normed, residual_out)]`` per rank.
 
     ``residuals[r]`` is rank r's residual input ([T, H], or its [S, H] shard with
     ``residual_in_sharded=True``).  ``outputs`` (from an earlier call) are written in place
-    (CUDA-graph replays); ``kw`` goes to :func:`weave_compile.kernels.launch.launch_push`
+    (CUDA-graph replays); ``out_slot >= 0`` leaves each rank's normed output in that slot of its
+    output ring (the outputs' normed is the ring view); ``kw`` goes to :func:`weave_compile.kernels.launch.launch_push`
     (``eps``, ``mid_dtype``, ``weight_offset``, ``residual_in_sharded``, ``meta``, ``phases``)."""
     T, H = xs[0].shape
     N = ranks.world_size
@@ -164,9 +167,10 @@ def push_allreduce_rmsnorm(ranks: EmulatedRanks, xs: Sequence[torch.Tensor],
     if S * N > ws0.capacity:
         raise ValueError(f"{T} rows need capacity {S * N}, emulated workspace has {ws0.capacity}")
     if outputs is None:
-        outputs = [(torch.empty((T, H), dtype=ws0.out_dtype, device=ranks.device),
+        outputs = [(ring_output(ws, out_slot, T) if out_slot >= 0 else
+                    torch.empty((T, H), dtype=ws0.out_dtype, device=ranks.device),
                     torch.empty((S if residual_out_sharded else T, H), dtype=ws0.res_dtype,
-                                device=ranks.device)) for _ in range(N)]
+                                device=ranks.device)) for ws in ranks.workspaces]
     kw = dict(dict(mid_dtype=None, residual_in_sharded=False, eps=1e-6, weight_offset=0.0,
                    num_warps=None), **kw)
     meta = kw.pop("meta", None) or launch.push_meta(H, S, comm_ctas, N, xs[0].dtype.itemsize,
@@ -178,7 +182,8 @@ def push_allreduce_rmsnorm(ranks: EmulatedRanks, xs: Sequence[torch.Tensor],
         normed, res_out = outputs[r]
         launch.launch_push(ws, xs[r], residuals[r], bias, weight, normed, res_out, num_tokens=T,
                            residual_out_sharded=residual_out_sharded, comm_ctas=comm_ctas,
-                           meta=meta, phases=phases, sync=sync, compile_only=compile_only, **kw)
+                           meta=meta, phases=phases, sync=sync, compile_only=compile_only,
+                           out_slot=out_slot, **kw)
         return outputs[r]
 
     if interpreting() or ranks.device.type != "cuda":
