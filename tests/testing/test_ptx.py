@@ -63,6 +63,20 @@ def test_ptx_compiles_flag_variants(kernel, kw):
 
 
 @requires_triton
+@pytest.mark.parametrize("hidden,dtype", [(4096, torch.bfloat16), (5120, torch.float32)])
+def test_push_output_in_the_ring_compiles_with_vector_stores_and_no_gather(hidden, dtype):
+    """OUT_IN_REGION: the peers' stores go to a run-time ring row, still 16-byte vectors; the
+    gather phase's copy of the normed rows is gone (fewer global loads than the copying mode)."""
+    ring = compile_variant_ptx("p2p", dtype, hidden, residual_in_sharded=True, residual_out_sharded=True,
+                               out_in_region=True)
+    copying = compile_variant_ptx("p2p", dtype, hidden, residual_in_sharded=True, residual_out_sharded=True)
+    assert "st.global.v4.b32" in ring and not re.search(r"(ld|st)\.global\.b(16|32)\b", ring)
+    assert "multimem" not in ring
+    loads = [len(re.findall(r"ld\.global(\.\w+)*\.v4", p)) for p in (ring, copying)]
+    assert loads[0] < loads[1], loads
+
+
+@requires_triton
 def test_compile_rejects_bad_args():
     with pytest.raises(ValueError):
         compile_variant_ptx("nccl", torch.bfloat16, 4096)

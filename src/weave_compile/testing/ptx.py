@@ -45,13 +45,15 @@ def compile_variant_ptx(kernel: str, dtype: torch.dtype, hidden: int,
                         residual_in_sharded: bool = False,
                         residual_out_sharded: bool = False, block_rows: Optional[int] = None,
                         spin_limit: int = 0, arch: int = 90, return_all: bool = False,
-                        rows_per_rank: int = 1 << 20, comm_ctas: int = common.DEFAULT_COMM_CTAS):
+                        rows_per_rank: int = 1 << 20, comm_ctas: int = common.DEFAULT_COMM_CTAS,
+                        out_in_region: bool = False):
     """Compile ``kernel`` (one of :data:`PTX_KERNELS`) for ``cuda:sm_<arch>`` and return its PTX.
 
     Uses Triton's ``ASTSource`` + ``triton.compile(target=GPUTarget("cuda", arch, 32))``;
     Triton's bundled ptxas also assembles the cubin, so a successful return means the inline
     PTX (multimem) is accepted by ptxas for that architecture.  The launch shape is the one
-    the launcher would pick for ``rows_per_rank`` and ``comm_ctas``.  With ``return_all`` the
+    the launcher would pick for ``rows_per_rank`` and ``comm_ctas``; ``out_in_region`` (p2p) is
+    the mode that leaves the normed output in the ring.  With ``return_all`` the
     whole ``asm`` dict (ttir, ttgir, llir, ptx, cubin) is returned."""
     if not common.HAS_TRITON:
         raise RuntimeError("triton is not available")
@@ -86,9 +88,11 @@ def compile_variant_ptx(kernel: str, dtype: torch.dtype, hidden: int,
                                 residual_dtype.itemsize, num_warps)
         if block_rows is not None:
             meta = dataclasses.replace(meta, block_rows=int(block_rows))
-        consts = dict(launch.push_constexprs(meta, **flags), PHASES=7, SYNC=True)
+        consts = dict(launch.push_constexprs(meta, **flags), PHASES=7, SYNC=True,
+                      OUT_IN_REGION=bool(out_in_region))
+        # out_ring_row is not declared 16-divisible: the stores must vectorize regardless
         runtime_sig.update(X=sig(dtype), NORMED=sig(out_dtype), slot_rows="i32",
-                           stride_x_row="i32", stride_out_row="i32")
+                           stride_x_row="i32", stride_out_row="i32", out_ring_row="i32")
         aligned += ["X", "NORMED", "stride_x_row", "stride_out_row"]
     else:
         fn = pull_allreduce_rmsnorm_kernel
