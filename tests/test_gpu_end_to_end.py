@@ -29,11 +29,12 @@ def test_compiled_tp_llama_matches_eager_on_2_gpus(mode):
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_outputs_left_in_the_symmetric_ring_match_eager(mode):
     """output_in_place: every site's normed output stays where the peers pushed it (TPLlama's
-    readers all feed the next site; the final norm's is read by the LM head, inside the graph)."""
+    readers all feed the next site through GEMMs) except the final norm's, which the model returns."""
     results = assert_ranks_ok(run_ranks(compiled_tp_llama_vs_eager, 2, args=(mode, (7, 1000, 2048),
                                                                             {"output_in_place": True}),
                                         backend="nccl", timeout=500))
     for errs, matched, kernels, expected, outputs in results:
         assert matched >= expected and kernels == ["p2p"], (matched, kernels)
-        assert all(o.startswith("ring slot") for o in outputs), outputs
+        kept = [o for o in outputs if not o.startswith("ring slot")]
+        assert kept == ["copied (the graph returns it)"] * 3, outputs  # one graph per token count
         assert max(errs) < 2e-2, errs

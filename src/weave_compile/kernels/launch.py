@@ -249,10 +249,11 @@ def allreduce_rmsnorm_on(ws: SymmWorkspace, x: torch.Tensor, residual=None, bias
             x = x.clone()
         x = x if x.is_contiguous() else x.contiguous()
         if out_slot >= 0 and _overlaps_ring_slot(ws, out_slot, x, residual, bias, weight):
-            # The pass proves no input is the slot's previous output; this is the last guard.
-            logger.warning("push kernel: an input lives in output ring slot %d; copying the output "
-                           "out instead", out_slot)
-            out_slot = -1
+            # The pass proves no input is the slot's previous output. Falling back on this rank
+            # alone would break the protocol (peers push to the ring slot by global row), so fail.
+            raise RuntimeError(f"weave: an input of the fused op lives in output ring slot {out_slot}, "
+                               "which this call overwrites (a bug of the output_in_place pass; "
+                               "run without output_in_place and report it)")
         normed = ring_output(ws, out_slot, T) if out_slot >= 0 else torch.empty(
             (T, H), dtype=ws.out_dtype, device=dev)
         residual_out = res_shard if residual_out_sharded else torch.empty(

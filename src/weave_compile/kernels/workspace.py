@@ -264,15 +264,18 @@ def get_workspace(group_name: str, dtype: torch.dtype, hidden: int, num_tokens: 
     capacity = _round_capacity(math.ceil(max(1, num_tokens) / world_size) * world_size,
                                world_size)
     if ws is not None:
-        if ws.used_in_capture:
-            # A captured graph still points at the old buffers: keep them alive.
-            _RETIRED.append(ws)
+        # Keep the old buffers alive: a captured graph may still point at them, and (growth is
+        # host-side, not a device barrier) a launch on them may still be running here or on a
+        # peer, which pushes into our old regions. Growth is rare: capacities grow by >= 1.5x.
+        _RETIRED.append(ws)
     from .outside_pool import run_outside_graph_pool
 
     # Growing at run time can happen inside cudagraph trees' warm-up (a symbolic T above the
     # compile-time reservation); allocated there, the workspace's tensors fail the pool check.
-    if ws is not None:
-        capacity = max(capacity, ws.capacity)  # never shrink (growing for the ring alone)
+    if ws is not None and capacity > ws.capacity:  # geometric growth: few retired workspaces
+        capacity = max(capacity, _round_capacity(math.ceil(ws.capacity * 1.5), world_size))
+    elif ws is not None:
+        capacity = ws.capacity  # never shrink (growing for the ring alone)
     new = run_outside_graph_pool(lambda: _allocate_workspace(
         group_name, device, dtype, out_dtype, residual_dtype, hidden, channel, capacity, slots),
         device)

@@ -37,7 +37,6 @@ def _never_reuse_in_place_outputs(inner):
     return lower
 
 
-@functools.lru_cache(maxsize=1)
 def install() -> Optional[str]:
     """Install the lowering of both fused ops (once); None when done, else why it could not be."""
     try:
@@ -45,6 +44,8 @@ def install() -> Optional[str]:
         from torch._library.utils import get_layout_constraint_tag
 
         for op in (FUSED_OP, START_OP):
+            if op in getattr(L, "user_lowerings", {}):  # Inductor would call that one instead
+                return f"a user lowering is registered for {op}"
             if getattr(L.lowerings.get(op), "_weave_never_reuse", False):
                 continue
             if op not in L.lowerings:  # what Inductor does on meeting a custom op without one

@@ -8,14 +8,20 @@ written again, on every rank, by the next launch that uses it, so an output may 
 where this pass proves every use of it is over by then. For fused call ``B`` taking slot ``k``
 after call ``A`` left its output there, it requires:
 
-* every reader of ``A``'s output (through views; ``weave.comm_wait`` only orders) and ``A``
-  itself are *ancestors* of ``B``: whatever order the compiler schedules the nodes in, they
-  were enqueued before ``B``. A peer writes into our slot only after ``B``'s entry barrier,
-  which this rank reaches only after its stream has run everything enqueued before ``B``
-  (``B``'s start on the comm stream waits for the compute stream first, streams.fork);
+* every node that may read ``A``'s output (:func:`readers_of`) and ``A`` itself are run-time
+  *ancestors* of ``B``: whatever order the compiler schedules the nodes in, they were enqueued
+  before ``B``. A peer writes into our slot only after ``B``'s entry barrier, which this rank
+  reaches only after its stream has run everything enqueued before ``B`` (``B``'s start on the
+  comm stream waits for the compute stream first, streams.fork). The readers are not only the
+  FX users: Inductor recomputes an unstored pointwise value inside each consumer's kernel, so
+  the closure runs on through every op but those that always store their result (GEMMs,
+  attention, custom ops); ``weave.comm_wait`` only orders, shape queries read nothing and give
+  no run-time order;
 * ``B`` does not read ``A``'s output itself;
-* no alias of an in-place output leaves the graph (returned, or written by an op): what the
-  caller keeps must not be overwritten by the next step.
+* no alias of an in-place output, nor a value computed from it on the way to a storing op,
+  leaves the graph, and no op writes into it, or may be made to by Inductor's reinplacing,
+  which runs after this pass (scatters, ``index_put``, foreach ops, functional collectives on
+  it as their first argument): what the caller keeps must not be overwritten by the next step.
 
 Slot 0 of the ring is every copying launch's staging region (the peers' slots), so only slots
 ``1 .. OUT_RING_SLOTS - 1`` hold outputs; they are picked greedily in graph order, per workspace
@@ -24,7 +30,8 @@ in ``explain()`` (the site's ``output`` column). Only ``kernel="p2p"`` leaves it
 the other kernels ignore ``out_slot``. Inductor must not reuse such an output's memory for
 another buffer (an in-place pointwise kernel would write into the ring): the op's lowering
 (:mod:`weave_compile.ops.lowering`) marks those outputs never-reuse; where it cannot be
-installed the pass leaves every output copied under Inductor.
+installed the pass leaves every output copied under Inductor, and a node annotated to fall back
+to eager (which Inductor lowers without it) is copied too.
 """
 
 from __future__ import annotations
@@ -73,47 +80,95 @@ def _writes(node: fx.Node, arg: fx.Node) -> bool:
     return False
 
 
+_aten = torch.ops.aten
+#: Ops that read their inputs where they run and always store a fresh result (extern kernels,
+#: Inductor never recomputes them inside a consumer): the reading stops there.
+_MATERIALIZING = tuple(getattr(_aten, n) for n in (
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_int_mm", "convolution",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward")
+    if hasattr(_aten, n))
+#: Shape queries: no device read, and no run-time order through them.
+_SHAPE_OPS = (_aten.sym_size.int, _aten.sym_stride.int, _aten.sym_numel.default,
+              _aten.sym_storage_offset.default)
+
+
+def _materializes(target) -> bool:
+    # A custom op (ours included) is an Inductor fallback kernel: its inputs are realized and
+    # read when it runs.
+    return target.namespace not in ("aten", "prims") or target.overloadpacket in _MATERIALIZING
+
+
+def _reinplaceable(target) -> bool:
+    """Ops Inductor's reinplacing (which runs after this pass) may turn into writes to their
+    first argument: scatters, index_put, foreach ops, functional collectives."""
+    base = target._schema.name.split("::")[-1]
+    if target.namespace in ("_c10d_functional", "c10d_functional") or "scatter" in base:
+        return True
+    if base.startswith("_foreach_") or base in ("index_put", "_unsafe_index_put"):
+        return True
+    try:
+        from torch._inductor.fx_passes.reinplace import inplaceable_ops
+    except Exception:  # pragma: no cover - an Inductor without it reinplaces nothing listed there
+        return False
+    return target in inplaceable_ops
+
+
 def readers_of(item: fx.Node) -> tuple[Optional[set], str]:
-    """The nodes that read ``item``'s memory (through views), or ``(None, why not)`` when it may
-    escape the graph or be written."""
+    """Every node that may read ``item``'s memory, or ``(None, why not)`` when it may escape the
+    graph or be written.
+
+    Not only its FX users: Inductor recomputes an unstored pointwise node inside each consumer's
+    kernel, so a value *computed* from ``item`` may read it wherever any of its users runs. So the
+    closure goes on through every op but those that always store their result
+    (:data:`_MATERIALIZING` and custom ops), which read ``item`` when they run and end it.
+    """
     readers: set = set()
-    stack, seen = [item], {item}
+    stack, seen = [(item, True)], {item}  # (node, is it an alias of item's memory)
     while stack:
-        a = stack.pop()
+        a, alias = stack.pop()
         for u in a.users:
             if u.op == "output":
-                return None, "the graph returns it"
-            if is_call(u, WAIT_OP):  # orders the stream; reads nothing
+                return None, "the graph returns it" if alias else \
+                    "the graph returns a value Inductor may compute from it where it is used"
+            if is_call(u, WAIT_OP) or is_call(u, *_SHAPE_OPS):  # orders the stream / reads no data
                 continue
             if u.op != "call_function":
                 return None, f"{u.name} ({u.op}) uses it"
-            if u.target is operator.getitem:  # an item of a view list (split): our memory
-                follow = True
+            if u.target is operator.getitem:  # an item of a multi-result node: follow it
+                follow, u_alias = True, alias
             elif isinstance(u.target, torch._ops.OpOverload):
-                if _writes(u, a):
+                if alias and _writes(u, a):
                     return None, f"{u.name} ({u.target}) writes to it"
-                # A view reads nothing, but may be an alias: its users read our memory. An op
-                # returning an alias of another argument (copy_(dst, ours)) does read ours.
+                if alias and _reinplaceable(u.target) and u.args and u.args[0] is a:
+                    return None, f"{u.name} ({u.target}) may be made to write into it (Inductor reinplacing)"
                 readers.add(u)
-                follow = _returns_alias(u.target)
+                stops = _materializes(u.target)
+                follow = not stops or _returns_alias(u.target)
+                u_alias = alias and _returns_alias(u.target)
             else:
                 return None, f"{u.name} ({getattr(u.target, '__name__', u.target)}) may keep an alias"
             if follow and u not in seen:
                 seen.add(u)
-                stack.append(u)
+                stack.append((u, u_alias))
     if not readers:
         return None, "nothing reads it"
     return readers, ""
 
 
+def _runtime_inputs(node: fx.Node) -> list:
+    """The inputs ``node`` is ordered after at run time (a shape query orders nothing)."""
+    return [] if is_call(node, *_SHAPE_OPS) else node.all_input_nodes
+
+
 def _not_before(nodes: set, node: fx.Node, index: dict) -> Optional[fx.Node]:
-    """One of ``nodes`` that is not an ancestor of ``node``, or None if all are."""
+    """One of ``nodes`` that is not a run-time ancestor of ``node``, or None if all are."""
     lo = min(index[n] for n in nodes)
     todo, seen = set(nodes), set()
     stack = [node]
     while stack and todo:
         n = stack.pop()
-        for p in n.all_input_nodes:
+        for p in _runtime_inputs(n):
             if p in seen or index[p] < lo:
                 continue
             seen.add(p)
@@ -146,6 +201,10 @@ class OutputInPlacePass(WeavePass):
                 continue
             if args["kernel"] != "p2p":
                 outcome[node] = f"copied (kernel {args['kernel']} returns a fresh tensor)"
+                continue
+            if "should_fallback" in node.meta or node.meta.get("custom", {}).get("fallback_to_eager"):
+                # Inductor lowers such a node without our lowering: nothing marks it never-reuse
+                outcome[node] = "copied (annotated to fall back to eager)"
                 continue
             item = _normed_item(node)
             readers, why = readers_of(item) if item is not None else (None, "nothing reads it")
