@@ -174,6 +174,43 @@ def test_ops_inductor_may_reinplace_into_it_keep_it_copied(op):
     assert run(trace(g))[0] == [1]
 
 
+@pytest.mark.parametrize("via", ["addmm bias", "bmm", "quantize"])
+def test_ops_that_may_be_computed_late_are_followed(via):
+    """A GEMM's bias (split off into a pointwise add), a bmm (small ones become mul + sum) and
+    another library's op with a pointwise Inductor lowering (quantize_per_tensor) do not store
+    what they read: their results' late readers read the ring too."""
+    import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_decomposed)
+
+    def f(x, res, w):
+        normed, res = fused(x, res, w[0])
+        if via == "addmm bias":
+            y = torch.addmm(normed, x, w)
+        elif via == "bmm":
+            y = torch.bmm(normed[None], w[None])[0]
+        else:
+            y = torch.ops.quantized_decomposed.quantize_per_tensor(normed, 0.1, 0, -128, 127, torch.int8).float()
+        normed2, res = fused(y @ w, res, w[0])
+        return (y + normed2) @ w, res  # y read after site 1
+    slots, labels = run(trace(f))
+    assert slots == [1, 2], (via, slots, labels)
+
+
+def test_views_the_schema_does_not_declare_and_foreach_ops():
+    def unsafe_view(x, res, w):
+        normed, res = fused(x, res, w[0])
+        v = torch.ops.aten._unsafe_view(normed, [7 * H])
+        return torch.index_put(v, (torch.tensor([0, 2]),), torch.ones(2)).view(7, H) @ w, res
+    slots, labels = run(trace(unsafe_view))
+    assert slots == [-1] and "Inductor reinplacing" in labels["site0"], labels
+
+    def foreach(x, res, w):
+        normed, res = fused(x, res, w[0])
+        (y,) = torch._foreach_add([normed], 1.0)
+        return y @ w, res
+    slots, labels = run(trace(foreach))
+    assert slots == [-1] and "Inductor reinplacing" in labels["site0"], labels
+
+
 def test_a_shape_query_is_no_run_time_order():
     """B depends on a reader of A's output only through its size: no order at run time."""
     def f(x, res, w):
@@ -383,7 +420,7 @@ def test_inductor_with_outputs_in_an_emulated_ring_matches_eager(seed):
 
     for r in assert_ranks_ok(run_ranks(_inductor_with_the_ring, 2, args=(seed,), timeout=900)):
         for name, (errs, outputs) in r.items():
-            assert max(errs) < 1e-4, (name, errs, outputs)
+            assert all(e < 1e-4 for e in errs), (name, errs, outputs)  # NaN fails too
         assert r["repro"][1] == ["ring slot 1", "ring slot 2"], r["repro"]
         assert r["llama"][1].count("ring slot 1") == 6, r["llama"]
         assert r["llama split"][1].count("ring slot 1 / ring slot 2") == 6, r["llama split"]

@@ -14,9 +14,10 @@ after call ``A`` left its output there, it requires:
   reaches only after its stream has run everything enqueued before ``B`` (``B``'s start on the
   comm stream waits for the compute stream first, streams.fork). The readers are not only the
   FX users: Inductor recomputes an unstored pointwise value inside each consumer's kernel, so
-  the closure runs on through every op but those that always store their result (GEMMs,
-  attention, custom ops); ``weave.comm_wait`` only orders, shape queries read nothing and give
-  no run-time order;
+  the closure runs on through every op but those that always store their result (GEMMs on
+  their non-bias inputs, attention, our ops, other libraries' ops Inductor lowers as fallback
+  kernels); ``weave.comm_wait`` only orders, shape queries read nothing and give no run-time
+  order;
 * ``B`` does not read ``A``'s output itself;
 * no alias of an in-place output, nor a value computed from it on the way to a storing op,
   leaves the graph, and no op writes into it, or may be made to by Inductor's reinplacing,
@@ -81,22 +82,57 @@ def _writes(node: fx.Node, arg: fx.Node) -> bool:
 
 
 _aten = torch.ops.aten
-#: Ops that read their inputs where they run and always store a fresh result (extern kernels,
-#: Inductor never recomputes them inside a consumer): the reading stops there.
+#: Ops that read their inputs where they run and store a fresh result (extern kernels: Inductor
+#: never recomputes them inside a consumer), so the reading stops there. Not bmm/baddbmm (small
+#: bmm is lowered to a pointwise product and sum, which Inductor may inline), and not a GEMM's
+#: bias (addmm's ``self``, convolution's ``bias``: may be split off into a pointwise add).
 _MATERIALIZING = tuple(getattr(_aten, n) for n in (
-    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_int_mm", "convolution",
+    "mm", "addmm", "_scaled_mm", "_int_mm", "convolution",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward")
     if hasattr(_aten, n))
+#: Where a GEMM reads an argument as a bias: (op packet, argument index).
+_BIAS_ARGS = {_aten.addmm: 0, _aten.convolution: 2}
 #: Shape queries: no device read, and no run-time order through them.
 _SHAPE_OPS = (_aten.sym_size.int, _aten.sym_stride.int, _aten.sym_numel.default,
               _aten.sym_storage_offset.default)
+#: Views whose schema does not say so (Inductor lowers them as views of their input).
+_UNDECLARED_VIEWS = (_aten._unsafe_view.default,)
 
 
-def _materializes(target) -> bool:
-    # A custom op (ours included) is an Inductor fallback kernel: its inputs are realized and
-    # read when it runs.
-    return target.namespace not in ("aten", "prims") or target.overloadpacket in _MATERIALIZING
+def _is_alias(target) -> bool:
+    return _returns_alias(target) or target in _UNDECLARED_VIEWS
+
+
+def _native_matmul() -> bool:
+    """Inductor's ``triton.native_matmul``: GEMMs become ordinary fusable kernels."""
+    try:
+        from torch._inductor import config as inductor_config
+
+        return bool(getattr(inductor_config.triton, "native_matmul", False))
+    except Exception:  # pragma: no cover
+        return True
+
+
+def _inductor_stores(node: fx.Node, arg: fx.Node) -> bool:
+    """True if ``node`` reads ``arg`` where it runs and stores its result (the closure stops)."""
+    target = node.target
+    if target.namespace == "weave":  # our ops: fallback kernels, their inputs realized
+        return True
+    if target.namespace in ("aten", "prims"):
+        if target.overloadpacket not in _MATERIALIZING or _native_matmul():
+            return False
+        bias = _BIAS_ARGS.get(target.overloadpacket)
+        return bias is None or not (len(node.args) > bias and node.args[bias] is arg)
+    try:  # another library's op: stored only if Inductor lowers it as a fallback kernel
+        from torch._inductor import lowering as L
+    except Exception:  # pragma: no cover
+        return False
+    if target in getattr(L, "user_lowerings", {}):
+        return False
+    if target in L.fallbacks or target.overloadpacket in L.fallbacks:
+        return True
+    return target not in L.lowerings and target.overloadpacket not in L.lowerings
 
 
 def _reinplaceable(target) -> bool:
@@ -120,8 +156,10 @@ def readers_of(item: fx.Node) -> tuple[Optional[set], str]:
 
     Not only its FX users: Inductor recomputes an unstored pointwise node inside each consumer's
     kernel, so a value *computed* from ``item`` may read it wherever any of its users runs. So the
-    closure goes on through every op but those that always store their result
-    (:data:`_MATERIALIZING` and custom ops), which read ``item`` when they run and end it.
+    closure goes on through every op but those that always store their result (GEMMs and
+    attention of :data:`_MATERIALIZING` on their non-bias inputs, our ops, and other libraries'
+    ops that Inductor lowers as fallback kernels: :func:`_inductor_stores`), which read ``item``
+    when they run and end it.
     """
     readers: set = set()
     stack, seen = [(item, True)], {item}  # (node, is it an alias of item's memory)
@@ -140,12 +178,13 @@ def readers_of(item: fx.Node) -> tuple[Optional[set], str]:
             elif isinstance(u.target, torch._ops.OpOverload):
                 if alias and _writes(u, a):
                     return None, f"{u.name} ({u.target}) writes to it"
-                if alias and _reinplaceable(u.target) and u.args and u.args[0] is a:
+                first = u.args[0] if u.args else None
+                if alias and _reinplaceable(u.target) and (
+                        first is a or (isinstance(first, (list, tuple)) and any(f is a for f in first))):
                     return None, f"{u.name} ({u.target}) may be made to write into it (Inductor reinplacing)"
                 readers.add(u)
-                stops = _materializes(u.target)
-                follow = not stops or _returns_alias(u.target)
-                u_alias = alias and _returns_alias(u.target)
+                follow = not _inductor_stores(u, a) or _is_alias(u.target)
+                u_alias = alias and _is_alias(u.target)
             else:
                 return None, f"{u.name} ({getattr(u.target, '__name__', u.target)}) may keep an alias"
             if follow and u not in seen:
