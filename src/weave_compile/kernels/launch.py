@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -29,8 +28,6 @@ from .pull import pull_allreduce_rmsnorm_kernel
 from .push import push_allreduce_rmsnorm_kernel
 from .select import SYMM_KERNELS, check_hidden
 from .workspace import SymmCapacityError, SymmWorkspace, get_workspace, ring_output
-
-logger = logging.getLogger(__name__)
 
 #: Kernels that read a staged copy of x (``p2p_pull`` is a measurement hook, see testing.ptx).
 PULL_KERNELS = ("multimem", "p2p_pull")

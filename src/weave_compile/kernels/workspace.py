@@ -4,8 +4,8 @@ One ``symm_mem.empty`` uint8 allocation and one ``rendezvous`` per (group, dtype
 channel); three row-major regions ``inp``/``out``/``res`` carved out of it, and a device
 *pointer table* the kernels read every peer's addresses from (layout: :func:`build_ptr_table`).
 Allocating or growing is collective; it never happens during CUDA-graph capture (callers get
-None, or :class:`SymmCapacityError`, and fall back; :func:`reserve` first).  A workspace
-replaced by a larger one while a captured graph may still use it is kept alive.
+None, or :class:`SymmCapacityError`, and fall back; :func:`reserve` first).  A replaced
+workspace is kept alive: a captured graph or an enqueued launch may still use it.
 """
 
 from __future__ import annotations
@@ -82,8 +82,7 @@ class SymmWorkspace:
     status: torch.Tensor
     multicast_ptr: int
     pad_offset: int
-    used_in_capture: bool = False
-    out_ring: Optional[torch.Tensor] = None  # [OUT_RING_SLOTS, cap, H]; ``out`` is its slot 0
+    out_ring: Optional[torch.Tensor] = None  # [slots, cap, H]; ``out`` is its slot 0
 
     def check_status(self) -> int:
         """Number of barrier timeouts recorded so far (synchronises the device)."""
@@ -91,7 +90,8 @@ class SymmWorkspace:
 
 
 _WORKSPACES: dict[tuple, SymmWorkspace] = {}
-# Workspaces replaced by a larger one while a captured CUDA graph may still use them.
+# Workspaces replaced (grown, or given the ring) while a captured CUDA graph or an enqueued
+# launch, here or on a peer, may still use them: kept for the rest of the process.
 _RETIRED: list[SymmWorkspace] = []
 
 
@@ -251,8 +251,6 @@ def get_workspace(group_name: str, dtype: torch.dtype, hidden: int, num_tokens: 
     if ws is not None:
         s = math.ceil(num_tokens / ws.world_size)
         if s * ws.world_size <= ws.capacity and ws.out_ring.shape[0] >= slots:
-            if capturing:
-                ws.used_in_capture = True
             return ws
         slots = max(slots, ws.out_ring.shape[0])  # never drop a ring it already had
     if capturing:
@@ -264,18 +262,18 @@ def get_workspace(group_name: str, dtype: torch.dtype, hidden: int, num_tokens: 
     capacity = _round_capacity(math.ceil(max(1, num_tokens) / world_size) * world_size,
                                world_size)
     if ws is not None:
+        if capacity > ws.capacity:  # geometric growth: few retired workspaces
+            capacity = max(capacity, _round_capacity(math.ceil(ws.capacity * 1.5), world_size))
+        else:
+            capacity = ws.capacity  # never shrink (replaced for the ring alone)
         # Keep the old buffers alive: a captured graph may still point at them, and (growth is
         # host-side, not a device barrier) a launch on them may still be running here or on a
-        # peer, which pushes into our old regions. Growth is rare: capacities grow by >= 1.5x.
+        # peer, which pushes into our old regions.
         _RETIRED.append(ws)
     from .outside_pool import run_outside_graph_pool
 
     # Growing at run time can happen inside cudagraph trees' warm-up (a symbolic T above the
     # compile-time reservation); allocated there, the workspace's tensors fail the pool check.
-    if ws is not None and capacity > ws.capacity:  # geometric growth: few retired workspaces
-        capacity = max(capacity, _round_capacity(math.ceil(ws.capacity * 1.5), world_size))
-    elif ws is not None:
-        capacity = ws.capacity  # never shrink (growing for the ring alone)
     new = run_outside_graph_pool(lambda: _allocate_workspace(
         group_name, device, dtype, out_dtype, residual_dtype, hidden, channel, capacity, slots),
         device)

@@ -60,9 +60,8 @@ RING_SLOTS = tuple(range(1, OUT_RING_SLOTS))
 OFF = "copied (output_in_place off)"
 
 
-def _normed_item(node: fx.Node) -> Optional[fx.Node]:
-    items = [u for u in node.users if is_call(u, operator.getitem) and u.args[1] == 0]
-    return items[0] if len(items) == 1 else None
+def _normed_items(node: fx.Node) -> list:
+    return [u for u in node.users if is_call(u, operator.getitem) and u.args[1] == 0]
 
 
 def _returns_alias(target) -> bool:
@@ -150,19 +149,19 @@ def _reinplaceable(target) -> bool:
     return target in inplaceable_ops
 
 
-def readers_of(item: fx.Node) -> tuple[Optional[set], str]:
-    """Every node that may read ``item``'s memory, or ``(None, why not)`` when it may escape the
-    graph or be written.
+def readers_of(*items: fx.Node) -> tuple[Optional[set], str]:
+    """Every node that may read the memory of ``items`` (a fused op's normed results), or
+    ``(None, why not)`` when it may escape the graph or be written.
 
-    Not only its FX users: Inductor recomputes an unstored pointwise node inside each consumer's
-    kernel, so a value *computed* from ``item`` may read it wherever any of its users runs. So the
+    Not only their FX users: Inductor recomputes an unstored pointwise node inside each consumer's
+    kernel, so a value *computed* from them may read them wherever any of its users runs. So the
     closure goes on through every op but those that always store their result (GEMMs and
     attention of :data:`_MATERIALIZING` on their non-bias inputs, our ops, and other libraries'
-    ops that Inductor lowers as fallback kernels: :func:`_inductor_stores`), which read ``item``
+    ops that Inductor lowers as fallback kernels: :func:`_inductor_stores`), which read them
     when they run and end it.
     """
     readers: set = set()
-    stack, seen = [(item, True)], {item}  # (node, is it an alias of item's memory)
+    stack, seen = [(i, True) for i in items], set(items)  # (node, is it an alias of the memory)
     while stack:
         a, alias = stack.pop()
         for u in a.users:
@@ -216,7 +215,8 @@ def _not_before(nodes: set, node: fx.Node, index: dict) -> Optional[fx.Node]:
     return min(todo, key=index.get) if todo else None
 
 
-def _workspace_key(node: fx.Node, args: dict) -> tuple:
+def _workspace_key(args: dict) -> tuple:
+    """The workspace (hence the ring) a fused call uses: kernels/workspace.py's key."""
     x = val(args["x"])
     return (args["group_name"], x.dtype, args["out_dtype"], args["residual_dtype"], str(x.shape[-1]))
 
@@ -245,12 +245,11 @@ class OutputInPlacePass(WeavePass):
                 # Inductor lowers such a node without our lowering: nothing marks it never-reuse
                 outcome[node] = "copied (annotated to fall back to eager)"
                 continue
-            item = _normed_item(node)
-            readers, why = readers_of(item) if item is not None else (None, "nothing reads it")
+            readers, why = readers_of(*_normed_items(node))
             if readers is None:
                 outcome[node] = f"copied ({why})"
                 continue
-            key = _workspace_key(node, args)
+            key = _workspace_key(args)
             busy = []
             for slot in RING_SLOTS:
                 prev = last.get((key, slot))
