@@ -66,6 +66,12 @@ SWEEP = {
     "norm_u2_s1": (dict(norm_unroll=2, norm_stages=1), ("reduce_norm",)),
     "norm_r4_s2": (dict(block_rows=4, norm_stages=2), ("reduce_norm",)),
     "norm_r1_s3": (dict(block_rows=1, norm_stages=3), ("reduce_norm",)),
+    # fewer warps: fewer issue slots per row (SASS of the add+norm loop at H=4096, per row:
+    # 16 warps 856, 8 warps 703, 4 warps 585 issue cycles), less latency hiding
+    "norm_w8": (dict(num_warps=8), ("reduce_norm",)),
+    "norm_w4": (dict(num_warps=4), ("reduce_norm",)),
+    "norm_w8_r4": (dict(num_warps=8, block_rows=4), ("reduce_norm",)),
+    "norm_w4_r1_s4": (dict(num_warps=4, block_rows=1, norm_stages=4), ("reduce_norm",)),
 }
 
 
