@@ -53,7 +53,7 @@ COLUMNS = ["gpu", "torch", "triton", "git_commit", "date", "design", "phase", "c
            "norm_unroll", "norm_stages", "bytes", "us", "gbps_per_cta", "timeouts"]
 PHASES = {"scatter": 1, "reduce_norm": 2, "gather": 4, "all": 7, "barriers": 0}
 TARGET = 80.0
-#: ``--sweep`` (8 CTAs): the push kernel with one knob changed, on the phases the knob affects
+#: ``--sweep`` (``--sweep-ctas``, default 8; ``--sweep-hidden``, default 4096): the push kernel with one knob changed, on the phases the knob affects
 #: (name: (LaunchMeta overrides, phases)); block_rows changes apply to every phase's tiles.
 SWEEP = {
     "copy_u1": (dict(copy_unroll=1), ("scatter", "gather")),
@@ -97,10 +97,13 @@ def _points(args, H: int, S: int, N: int):
             m = (launch.push_v1_meta(H, S, ctas) if design == "push_v1"
                  else launch.push_meta(H, S, ctas, N, 2, 2))
             yield design, m, args.phases
-    if args.sweep and H == 4096:
-        base = launch.push_meta(H, S, 8, N, 2, 2)
-        for name, (over, phases) in SWEEP.items():
-            yield f"push:{name}", dataclasses.replace(base, **over), phases
+    if args.sweep and H in args.sweep_hidden:
+        for ctas in args.sweep_ctas:
+            base = launch.push_meta(H, S, ctas, N, 2, 2)
+            for name, (over, phases) in SWEEP.items():
+                if args.sweep_only and name not in args.sweep_only:
+                    continue
+                yield f"push:{name}", dataclasses.replace(base, **over), phases
 
 
 def run(args) -> list:
@@ -130,7 +133,13 @@ def run(args) -> list:
                         residual_out_sharded=sharded, comm_ctas=m.grid, meta=m,
                         phases=PHASES[phase], outputs=outs.get(ring), out_slot=1 if ring else -1)
 
-                us = timer(call, args.iters)
+                try:
+                    us = timer(call, args.iters)
+                except Exception as e:  # a sweep shape that does not fit (shared memory, registers)
+                    if ":" not in design or "OutOfResources" not in type(e).__name__:
+                        raise
+                    print(f"{design:18s} H={H:5d} ctas={m.grid:2d} {phase}: skipped ({e})", flush=True)
+                    continue
                 timeouts = ranks.barrier_state()[0]
                 nbytes = phase_bytes(phase, N, S, H, 2, sharded, ring)
                 gbps = nbytes / us / 1e3 / m.grid if nbytes else 0.0
@@ -200,7 +209,10 @@ def main() -> None:
                     help="push_ring: the push kernel leaving its output in the ring (out_slot=1)")
     ap.add_argument("--phases", nargs="+", default=list(PHASES), choices=list(PHASES))
     ap.add_argument("--full-residual", action="store_true", help="residual in and out [T, H]")
-    ap.add_argument("--sweep", action="store_true", help="also time the SWEEP variants (H=4096, 8 CTAs)")
+    ap.add_argument("--sweep", action="store_true", help="also time the SWEEP variants")
+    ap.add_argument("--sweep-hidden", type=int, nargs="+", default=[4096], help="hidden sizes of the sweep")
+    ap.add_argument("--sweep-ctas", type=int, nargs="+", default=[8], help="CTA counts of the sweep")
+    ap.add_argument("--sweep-only", nargs="+", choices=list(SWEEP), help="only these SWEEP variants")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)

@@ -242,7 +242,7 @@ def test_addnorm_shape_that_does_not_fit_is_retried_with_fewer_stages(monkeypatc
 
     tried = []
 
-    def fake_launch(*args):
+    def fake_launch(*args, preload=False):
         cfg = args[-2]
         tried.append(cfg.num_stages)
         if cfg.num_stages > 1:

@@ -17,8 +17,11 @@ wait-value holds its hardware queue, and two ranks' streams sharing one (the poo
 ``CUDA_DEVICE_MAX_CONNECTIONS`` queues, 8 by default) would deadlock. Run with
 ``CUDA_DEVICE_MAX_CONNECTIONS=32``.
 
-Status: the first device run of this file (2026-12-01, one H200) printed nothing before its time
-limit (170 s); the cause is not known yet (see benchmarks/NOTES.md). These fixes came after it.
+Status: the first device runs of this file (2026-12-01, one H200) hung in the first test. Cause
+(found with a step-by-step script and faulthandler, session 5): the host blocked in the first
+launch of ``torch.cuda._sleep`` after a wait-value was enqueued on another stream: CUDA's lazy
+module loading synchronizes the context at a kernel's first load, which waited for the blocked
+stream. Every kernel is now loaded before the first wait is enqueued (``ce.preload``).
 """
 
 from __future__ import annotations
@@ -73,14 +76,23 @@ def _streams(n):
 
 
 def emulated_call(wss, streams, xs, residuals, bias, weight, scale, **kw):
-    """Every rank's call on its own stream, forked from and joined back into the current stream."""
+    """Every rank's call on its own stream, forked from and joined back into the current stream.
+
+    Every rank's program is built and its kernels loaded (``ce.preload``) before any is enqueued:
+    a lazily loaded kernel's first launch may synchronize the context, which deadlocks once rank
+    0's stream waits for a rank whose program is not enqueued yet."""
     main = torch.cuda.current_stream()
-    outs = []
+    outs, progs = [], []
     for r, ws in enumerate(wss):
-        streams[r].wait_stream(main)
         with torch.cuda.stream(streams[r]):
-            normed, res_out, _ = ce.ce_call(ws, xs[r], residuals[r], bias, weight, scale, **kw)
+            normed, res_out, prog = ce.ce_call(ws, xs[r], residuals[r], bias, weight, scale, run=False, **kw)
         outs.append((normed, res_out))
+        progs.append(prog)
+    for prog in progs:
+        ce.preload(prog)
+    for r, prog in enumerate(progs):
+        streams[r].wait_stream(main)
+        ce.execute(prog, streams[r])
     for s in streams:
         main.wait_stream(s)
     return outs
@@ -141,7 +153,14 @@ def test_stream_memops_cross_stream_in_graph():
         main.wait_stream(a)
         main.wait_stream(b)
 
+    # Load every kernel step() launches before its first wait-value is enqueued: under lazy
+    # module loading a first launch may synchronize the context, i.e. wait for stream b, which
+    # waits for the flag that launch was to produce (the hang of the first device runs).
+    torch.cuda._sleep(1000)
     src.uniform_()
+    src.mul_(1.0)
+    dst.fill_(float("nan"))
+    _sync(flags=[flag])
     expect = src * 2
     step()
     _sync(flags=[flag])

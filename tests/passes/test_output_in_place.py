@@ -364,45 +364,51 @@ class _Repro(torch.nn.Module):
         return (r2 + self.norm(res)) @ self.w[2]
 
 
-def _emulate_the_ring_on_cpu():
-    """Make the fused op honour ``out_slot`` on CPU as the p2p kernel does on GPUs: its normed
-    result is a view of a persistent buffer per ring slot, overwritten by the next call there."""
+def _emulate_the_ring(device: str = "cpu"):
+    """Make the fused op honour ``out_slot`` on ``device`` as the p2p kernel does on GPUs: its
+    normed result is a view of a persistent buffer per ring slot, overwritten by the next call
+    there.  The values come from the reference (on a GPU too: no symmetric memory is needed)."""
     import weave_compile.ops.allreduce_rmsnorm as mod
 
     ring = {}
 
     def emulate(*args, **kwargs):
-        normed, res = mod._fused(*args, **kwargs)
-        slot = mod.bind(args, kwargs)["out_slot"]
+        a = mod.bind(args, kwargs)
+        slot = a["out_slot"]
+        normed, res = mod._fused(**dict(a, kernel="reference"))
         if slot < 0:
             return normed, res
         buf = ring.get(slot)
         if buf is None or buf.numel() < normed.numel() or buf.dtype != normed.dtype:
-            buf = ring[slot] = torch.full((normed.numel(),), float("nan"), dtype=normed.dtype)
+            buf = ring[slot] = torch.full((normed.numel(),), float("nan"), dtype=normed.dtype,
+                                          device=normed.device)
         view = buf[:normed.numel()].view(normed.shape)
         view.copy_(normed)
         return view, res
 
-    mod.allreduce_add_rmsnorm.register_kernel("cpu", emulate)
-    mod.allreduce_add_rmsnorm_start.register_kernel("cpu", emulate)
+    mod.allreduce_add_rmsnorm.register_kernel(device, emulate)
+    mod.allreduce_add_rmsnorm_start.register_kernel(device, emulate)
 
 
-def _inductor_with_the_ring(rank, world_size, seed):
-    """Inductor (CPU) with outputs in an emulated ring vs eager: the repro and TPLlama (split too)."""
+def _inductor_with_the_ring(rank, world_size, seed, device="cpu"):
+    """Inductor (on ``device``) with outputs in an emulated ring vs eager: the repro and TPLlama
+    (split too)."""
     import weave_compile
     from tests.passes.split_tokens.helpers import THRESHOLD, tokens, tp_llama
     from weave_compile.passes import fuse_allreduce_rmsnorm as fuse_mod
 
     fuse_mod.select_kernel = lambda *a, **k: ("p2p", "forced by the test")
     fuse_mod._reserve_workspace = lambda *a, **k: None
-    _emulate_the_ring_on_cpu()
+    _emulate_the_ring(device)
     out = {}
     x = torch.randn(9, 32, generator=torch.Generator().manual_seed(seed + rank))  # partial sums
     res = torch.randn(9, 32, generator=torch.Generator().manual_seed(seed))  # replicated
-    cases = [("repro", _Repro(32), (x, res), {})]
+    cases = [("repro", _Repro(32).to(device), (x.to(device), res.to(device)), {})]
     d, llama = tp_llama(rank, world_size, seed, layers=3)
-    cases += [("llama", llama, (tokens(d, 1, 40, seed),), {}),
-              ("llama split", llama, (tokens(d, 1, 40, seed),), {"split": True, "split_threshold": THRESHOLD})]
+    llama = llama.to(device)
+    ids = tokens(d, 1, 40, seed).to(device)
+    cases += [("llama", llama, (ids,), {}),
+              ("llama split", llama, (ids,), {"split": True, "split_threshold": THRESHOLD})]
     for name, model, inputs, opts in cases:
         weave_compile.reset()
         torch._dynamo.reset()
@@ -421,6 +427,24 @@ def test_inductor_with_outputs_in_an_emulated_ring_matches_eager(seed):
     for r in assert_ranks_ok(run_ranks(_inductor_with_the_ring, 2, args=(seed,), timeout=900)):
         for name, (errs, outputs) in r.items():
             assert all(e < 1e-4 for e in errs), (name, errs, outputs)  # NaN fails too
+        assert r["repro"][1] == ["ring slot 1", "ring slot 2"], r["repro"]
+        assert r["llama"][1].count("ring slot 1") == 6, r["llama"]
+        assert r["llama split"][1].count("ring slot 1 / ring slot 2") == 6, r["llama split"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_inductor_on_cuda_with_outputs_in_an_emulated_ring_matches_eager(seed):
+    """The same on a GPU: Inductor's CUDA decisions (Triton kernels and templates, the GEMM bias
+    left fused or not, CUDA-only reinplacing) are the ones the pass's reader model must cover.
+    Two gloo ranks share one GPU (the ring is emulated, no symmetric memory).  Tolerance 1e-3:
+    fp32 throughout, but Inductor's Triton reductions and cuBLAS order sums differently from
+    eager; a wrong proof gives errors of order 1 (7.8 in the CPU repro)."""
+    from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
+
+    for r in assert_ranks_ok(run_ranks(_inductor_with_the_ring, 2, args=(seed, "cuda"), timeout=900)):
+        for name, (errs, outputs) in r.items():
+            assert all(e < 1e-3 for e in errs), (name, errs, outputs)  # NaN fails too
         assert r["repro"][1] == ["ring slot 1", "ring slot 2"], r["repro"]
         assert r["llama"][1].count("ring slot 1") == 6, r["llama"]
         assert r["llama split"][1].count("ring slot 1 / ring slot 2") == 6, r["llama split"]

@@ -154,18 +154,23 @@ def add_rmsnorm_rows(
     num_ctas: int,
     config: Optional[LaunchConfig] = None,
     force_torch: bool = False,
+    preload: bool = False,
 ) -> None:
     """Write ``normed[:n_valid]`` and ``res_out[:len(res_out)]`` (zeros past ``n_valid``).
 
     ``x`` [>= n_valid, H] (row stride free, unit column stride); ``recv`` [slots, >= n_valid, H]
     contiguous rows, or None; ``residual`` [>= n_valid, H] or None; ``scale`` a 1-element tensor.
-    Rows of ``normed`` past ``n_valid`` are not touched.
+    Rows of ``normed`` past ``n_valid`` are not touched.  ``preload``: compile and load the
+    kernel this call would launch (its module and function handles), launch nothing (see
+    :func:`weave_compile.kernels.copy_engine.preload`).
     """
     hidden = x.shape[-1]
     n_res_rows = res_out.shape[0]
     if n_res_rows == 0:
         return
     if force_torch or not use_triton(x.device):
+        if preload:  # nothing to load: the torch path has no kernel of ours
+            return
         _add_rmsnorm_rows_torch(x, recv, residual, bias, weight, scale, normed, res_out, n_valid=n_valid,
                                 eps=eps, mid_dtype=mid_dtype, weight_offset=weight_offset)
         return
@@ -181,7 +186,7 @@ def add_rmsnorm_rows(
     while True:
         try:
             return _launch(x, recv, residual, bias, weight, scale, normed, res_out, n_valid, n_res_rows, eps,
-                           mid_dtype, weight_offset, num_ctas, cfg, slots)
+                           mid_dtype, weight_offset, num_ctas, cfg, slots, preload=preload)
         except triton.runtime.errors.OutOfResources as e:
             if cfg.num_stages <= 1:
                 raise
@@ -194,11 +199,12 @@ _SHRUNK: dict = {}  # launch shapes that did not fit -> the shape that did
 
 
 def _launch(x, recv, residual, bias, weight, scale, normed, res_out, n_valid, n_res_rows, eps, mid_dtype,
-            weight_offset, num_ctas, cfg, slots) -> None:
+            weight_offset, num_ctas, cfg, slots, preload=False) -> None:
     hidden = x.shape[-1]
     dummy = x
     grid = max(1, min(int(num_ctas), triton.cdiv(n_res_rows, cfg.block_rows)))
-    _add_rmsnorm_rows_kernel[(grid,)](
+    fn = _add_rmsnorm_rows_kernel.warmup if preload else _add_rmsnorm_rows_kernel[(grid,)]
+    compiled = fn(
         x, recv if recv is not None else dummy, residual if residual is not None else dummy,
         bias if bias is not None else dummy, weight if weight is not None else dummy,
         scale if scale is not None else dummy, normed, res_out,
@@ -210,7 +216,9 @@ def _launch(x, recv, residual, bias, weight, scale, normed, res_out, n_valid, n_
         MID_DTYPE=tl_dtype(mid_dtype if mid_dtype is not None else torch.float32),
         HAS_MID=mid_dtype is not None, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, INTERPRET=interpreting(),
-        num_warps=cfg.num_warps, num_stages=1)
+        num_warps=cfg.num_warps, num_stages=1, **({"grid": (grid,)} if preload else {}))
+    if preload and hasattr(compiled, "_init_handles"):
+        compiled._init_handles()  # cuModuleLoadData + cuModuleGetFunction now, not at the launch
 
 
 def _add_rmsnorm_rows_torch(x, recv, residual, bias, weight, scale, normed, res_out, *, n_valid, eps,

@@ -375,6 +375,22 @@ def execute(prog: list[Op], stream: Optional[torch.cuda.Stream] = None) -> None:
                 addnorm.add_rmsnorm_rows(**op.kwargs)
 
 
+def preload(prog: list[Op]) -> None:
+    """Compile and load every kernel ``prog`` launches, launching nothing.
+
+    Why: with CUDA's lazy module loading (the default since CUDA 12.2) a kernel's first launch
+    loads its code, and that load may synchronize the context.  When ranks are emulated in one
+    process, rank 0's stream is already blocked in a wait-value for rank 1's signal when the host
+    enqueues rank 1's program: a lazy load there waits for rank 0's stream, which waits for rank
+    1's signal, which the blocked host never enqueues: a deadlock (measured on one H200: the host
+    blocked in the first launch of a kernel after a wait-value was enqueued).  The emulation
+    preloads every rank's program before it enqueues any.  Across processes each rank enqueues
+    its own signals before its waits, so a lazy load only delays the host there."""
+    for op in prog:
+        if isinstance(op, Norm):
+            addnorm.add_rmsnorm_rows(**op.kwargs, preload=True)
+
+
 def allocate_outputs(ws: CeWorkspace, num_tokens: int, residual_out_sharded: bool, device):
     _, out_dt, res_dt = ws.dtypes
     S = math.ceil(num_tokens / ws.world_size)
