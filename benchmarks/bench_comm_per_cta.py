@@ -72,6 +72,8 @@ SWEEP = {
     "norm_w4": (dict(num_warps=4), ("reduce_norm",)),
     "norm_w8_r4": (dict(num_warps=8, block_rows=4), ("reduce_norm",)),
     "norm_w4_r1_s4": (dict(num_warps=4, block_rows=1, norm_stages=4), ("reduce_norm",)),
+    # the same 8 warps in every phase (the warp count is the launch's, not one loop's)
+    "w8_all": (dict(num_warps=8), ("scatter", "reduce_norm", "gather", "all")),
 }
 
 

@@ -84,6 +84,7 @@ def emulated_call(wss, streams, xs, residuals, bias, weight, scale, **kw):
     main = torch.cuda.current_stream()
     outs, progs = [], []
     for r, ws in enumerate(wss):
+        streams[r].wait_stream(main)  # first: under capture this joins the rank's stream to it
         with torch.cuda.stream(streams[r]):
             normed, res_out, prog = ce.ce_call(ws, xs[r], residuals[r], bias, weight, scale, run=False, **kw)
         outs.append((normed, res_out))
@@ -91,7 +92,6 @@ def emulated_call(wss, streams, xs, residuals, bias, weight, scale, **kw):
     for prog in progs:
         ce.preload(prog)
     for r, prog in enumerate(progs):
-        streams[r].wait_stream(main)
         ce.execute(prog, streams[r])
     for s in streams:
         main.wait_stream(s)
@@ -118,7 +118,10 @@ def _residual_args(res_full, N, T, sharded):
 
 
 def _check(outs, partials, res_full, bias, weight, N, T, sharded, scale=None):
-    y, acc = allreduce_add_rmsnorm_ref(partials, res_full, bias, weight, eps=1e-5, scale=scale)
+    # The outputs' dtypes are the contract's: the oracle rounds to them (its defaults are the
+    # partials' dtype, which would hide an fp32 output behind fp16 rounding).
+    y, acc = allreduce_add_rmsnorm_ref(partials, res_full, bias, weight, eps=1e-5, scale=scale,
+                                       out_dtype=outs[0][0].dtype, residual_dtype=outs[0][1].dtype)
     S = -(-T // N)
     for r, (normed, res_out) in enumerate(outs):
         torch.testing.assert_close(normed.double(), y, **TOL[normed.dtype])
