@@ -367,15 +367,19 @@ class _Repro(torch.nn.Module):
 def _emulate_the_ring(device: str = "cpu"):
     """Make the fused op honour ``out_slot`` on ``device`` as the p2p kernel does on GPUs: its
     normed result is a view of a persistent buffer per ring slot, overwritten by the next call
-    there.  The values come from the reference (on a GPU too: no symmetric memory is needed)."""
+    there.  The values come from the reference, run on CPU copies for a GPU (no symmetric memory
+    and no CUDA collective needed: the device machine's gloo crashed (exit -11) in a functional
+    all_gather of CUDA tensors)."""
     import weave_compile.ops.allreduce_rmsnorm as mod
 
     ring = {}
 
     def emulate(*args, **kwargs):
-        a = mod.bind(args, kwargs)
+        a = dict(mod.bind(args, kwargs), kernel="reference")
         slot = a["out_slot"]
-        normed, res = mod._fused(**dict(a, kernel="reference"))
+        if device != "cpu":  # the reference's collectives on CPU: gloo's CUDA all_gather crashed
+            a = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in a.items()}
+        normed, res = (t.to(device) for t in mod._fused(**a))
         if slot < 0:
             return normed, res
         buf = ring.get(slot)
@@ -437,9 +441,10 @@ def test_inductor_with_outputs_in_an_emulated_ring_matches_eager(seed):
 def test_inductor_on_cuda_with_outputs_in_an_emulated_ring_matches_eager(seed):
     """The same on a GPU: Inductor's CUDA decisions (Triton kernels and templates, the GEMM bias
     left fused or not, CUDA-only reinplacing) are the ones the pass's reader model must cover.
-    Two gloo ranks share one GPU (the ring is emulated, no symmetric memory).  Tolerance 1e-3:
-    fp32 throughout, but Inductor's Triton reductions and cuBLAS order sums differently from
-    eager; a wrong proof gives errors of order 1 (7.8 in the CPU repro)."""
+    Two gloo ranks share one GPU (the eager model's all_reduce of CUDA tensors works there; the
+    fused op's emulation runs its reference on CPU copies).  Tolerance 1e-3: fp32 throughout, but
+    Inductor's Triton reductions and cuBLAS order sums differently from eager; a wrong proof
+    gives errors of order 1 (7.8 in the CPU repro)."""
     from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
 
     for r in assert_ranks_ok(run_ranks(_inductor_with_the_ring, 2, args=(seed, "cuda"), timeout=900)):
