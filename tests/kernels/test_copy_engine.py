@@ -258,3 +258,16 @@ def test_addnorm_shape_that_does_not_fit_is_retried_with_fewer_stages(monkeypatc
     assert tried == [3, 2, 1]
     addnorm.add_rmsnorm_rows(*args, **kw)  # remembered: straight to the shape that fit
     assert tried == [3, 2, 1, 1]
+
+
+def test_preload_writes_nothing():
+    """``preload`` loads kernels only: the program's outputs (poisoned) stay as they were, also on
+    the torch path, which has no kernel to load."""
+    N, T, H = 2, 10, 16
+    ws = ce.emulated_workspaces(N, 8, H, (torch.float32,) * 3)[0]
+    _, _, prog = ce.ce_call(ws, torch.randn(T, H), torch.randn(T, H), run=False)
+    norm = next(op for op in prog if isinstance(op, ce.Norm))
+    for t in (norm.kwargs["normed"], norm.kwargs["res_out"]):
+        t.fill_(float("nan"))
+    ce.preload(prog)
+    assert torch.isnan(norm.kwargs["normed"]).all() and torch.isnan(norm.kwargs["res_out"]).all()
