@@ -338,3 +338,34 @@ def test_select_kernel_picks_oneshot_below_crossover(monkeypatch, requested, var
     kernel, why = select_kernel(requested, torch.device("cuda", 0), (torch.bfloat16,) * 3, 4096, "g",
                                 num_tokens=tokens)
     assert kernel == want and reason in why, (kernel, why)
+
+
+def test_a_grown_workspace_keeps_the_old_one_alive_and_grows_geometrically(monkeypatch):
+    """Growth replaces the cached workspace; the replaced one must stay alive even with no CUDA
+    graph captured (a launch on it may still run here or on a peer), and capacities grow by at
+    least 1.5x so that few are kept.  Allocation, capture state and group size are stubbed."""
+    import types
+
+    from weave_compile.kernels import outside_pool
+    from weave_compile.ops import reference
+
+    made = []
+
+    def fake_allocate(group, device, hidden, in_dtype, res_dtype, capacity):
+        made.append(types.SimpleNamespace(world_size=2, capacity=capacity))
+        return made[-1]
+
+    monkeypatch.setattr(oneshot, "_allocate", fake_allocate)
+    monkeypatch.setattr(oneshot, "_WORKSPACES", {})
+    monkeypatch.setattr(oneshot, "_RETIRED", [])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(outside_pool, "run_outside_graph_pool", lambda fn, device: fn())
+    monkeypatch.setattr(reference, "group_size", lambda group: 2)
+    dev = torch.device("cuda", 0)
+    get = lambda T: oneshot.get_workspace("g", torch.bfloat16, torch.bfloat16, 64, T, dev)  # noqa: E731
+    first = get(100)
+    assert get(128) is first and not oneshot._RETIRED  # fits: no new allocation
+    second = get(first.capacity + 2)  # just past it
+    assert second is not first and oneshot._RETIRED == [first]
+    assert second.capacity >= 1.5 * first.capacity
+    assert len(made) == 2

@@ -153,7 +153,6 @@ class CeWorkspace:
     regions: list
     buffer: Optional[torch.Tensor] = None
     handle: Any = None  # keeps the symmetric allocation mapped
-    used_in_capture: bool = False
 
 
 def slot_of(sender: int, receiver: int) -> int:
@@ -216,7 +215,7 @@ def emulated_workspaces(world_size: int, capacity: int, hidden: int, dtypes: tup
 
 
 _WORKSPACES: dict[tuple, CeWorkspace] = {}
-_RETIRED: list[CeWorkspace] = []  # replaced while a captured graph may still use them
+_RETIRED: list[CeWorkspace] = []  # replaced workspaces, kept alive (see get_workspace)
 
 
 def _allocate(group_name: str, device: torch.device, hidden: int, dtypes: tuple, capacity: int) -> CeWorkspace:
@@ -261,12 +260,15 @@ def get_workspace(group_name: str, device: torch.device, hidden: int, dtypes: tu
     world_size = ws.world_size if ws is not None else group_size(group_name)
     per_rank = math.ceil(max(1, num_tokens) / world_size)
     if ws is not None and per_rank <= ws.capacity:
-        ws.used_in_capture |= capturing
         return ws
     if capturing:
         raise CeCapacityError(f"ce workspace for {group_name} (H={hidden}) has no room for {num_tokens} tokens "
                               "and cannot grow during CUDA-graph capture; call reserve() before capture")
-    if ws is not None and ws.used_in_capture:
+    if ws is not None:
+        # Geometric growth (few replaced workspaces), and the replaced one kept alive: a captured
+        # graph may point at it, and a copy or flag write of an earlier call may still be in
+        # flight here or from a peer into our old regions.
+        per_rank = max(per_rank, math.ceil(ws.capacity * 1.5))
         _RETIRED.append(ws)
     new = _allocate(group_name, device, hidden, dtypes, _round_up(per_rank, _CAPACITY_ROUND_ROWS))
     _WORKSPACES[key] = new

@@ -347,7 +347,6 @@ class OneShotWorkspace:
     state: torch.Tensor  # int32 [8]
     buffer: torch.Tensor  # this rank's buffer (kept alive)
     handle: Any = None
-    used_in_capture: bool = False
 
     @property
     def capacity(self) -> int:
@@ -389,7 +388,7 @@ def workspace_from_buffers(buffers: list[torch.Tensor], rank: int, *, hidden: in
 
 
 _WORKSPACES: dict[tuple, OneShotWorkspace] = {}
-_RETIRED: list[OneShotWorkspace] = []  # replaced while a captured graph may still use them
+_RETIRED: list[OneShotWorkspace] = []  # replaced workspaces, kept alive (see get_workspace)
 
 
 def _allocate(group_name: str, device: torch.device, hidden: int, in_dtype: torch.dtype, res_dtype: torch.dtype,
@@ -436,16 +435,19 @@ def get_workspace(group_name: str, in_dtype: torch.dtype, res_dtype: torch.dtype
     if ws is not None:
         padded = -(-num_tokens // ws.world_size) * ws.world_size
         if padded <= ws.capacity:
-            ws.used_in_capture |= capturing
             return ws
     if capturing:
         return None
-    from .allreduce_rmsnorm import group_size
+    from weave_compile.ops.reference import group_size
 
     n = group_size(group_name)
     capacity = -(-max(1, num_tokens) // (64 * n)) * 64 * n
-    if ws is not None and ws.used_in_capture:
-        _RETIRED.append(ws)  # a captured graph still points at it
+    if ws is not None:
+        # Geometric growth (few replaced workspaces), and the replaced one kept alive: a captured
+        # graph may point at it, and (growth is host-side, not a device barrier) a launch on it
+        # may still be running here or on a peer, which writes into our old slots.
+        capacity = max(capacity, -(-math.ceil(ws.capacity * 1.5) // (64 * n)) * 64 * n)
+        _RETIRED.append(ws)
     from .outside_pool import run_outside_graph_pool
 
     # A run-time growth may happen inside cudagraph trees' warm-up: keep it out of the graph pool.
