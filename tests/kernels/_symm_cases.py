@@ -179,3 +179,26 @@ def run_script(path, args, timeout, env=None):
         out, _ = proc.communicate()
         pytest.fail(f"timed out after {timeout} s:\n{out[-6000:]}")
     return proc.returncode, out
+
+
+def stub_workspace_allocation(monkeypatch, module) -> list:
+    """Let ``module.get_workspace`` (oneshot, copy_engine) run on CPU: its allocation records a
+    stand-in with the capacity asked for (the list returned), no capture, a 2-rank group."""
+    import types
+
+    from weave_compile.kernels import outside_pool
+    from weave_compile.ops import reference
+
+    made = []
+
+    def fake_allocate(*args):
+        made.append(types.SimpleNamespace(world_size=2, capacity=args[-1]))
+        return made[-1]
+
+    monkeypatch.setattr(module, "_allocate", fake_allocate)
+    monkeypatch.setattr(module, "_WORKSPACES", {})
+    monkeypatch.setattr(module, "_RETIRED", [])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(outside_pool, "run_outside_graph_pool", lambda fn, device: fn())
+    monkeypatch.setattr(reference, "group_size", lambda group: 2)
+    return made

@@ -276,21 +276,9 @@ def test_preload_writes_nothing():
 def test_a_grown_workspace_keeps_the_old_one_alive_and_grows_geometrically(monkeypatch):
     """As for the other workspaces: growth keeps the replaced workspace alive (a copy or flag
     write of an earlier call may still be in flight into it) and grows by at least 1.5x."""
-    import types
+    from ._symm_cases import stub_workspace_allocation  # here: a subprocess test imports this file alone
 
-    from weave_compile.ops import reference
-
-    made = []
-
-    def fake_allocate(group, device, hidden, dtypes, capacity):
-        made.append(types.SimpleNamespace(world_size=2, capacity=capacity))
-        return made[-1]
-
-    monkeypatch.setattr(ce, "_allocate", fake_allocate)
-    monkeypatch.setattr(ce, "_WORKSPACES", {})
-    monkeypatch.setattr(ce, "_RETIRED", [])
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(reference, "group_size", lambda group: 2)
+    made = stub_workspace_allocation(monkeypatch, ce)
     dev = torch.device("cuda", 0)
     dts = (torch.bfloat16,) * 3
     first = ce.get_workspace("g", dev, 64, dts, 100)

@@ -20,7 +20,7 @@ from weave_compile.ops.reference import allreduce_add_rmsnorm_ref
 from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
 
 from ._symm_cases import DTYPES as DT
-from ._symm_cases import shard_rows
+from ._symm_cases import shard_rows, stub_workspace_allocation
 
 requires_triton = pytest.mark.skipif(not oneshot.HAS_TRITON, reason="triton not installed")
 # Elementwise |out - ref| <= atol + rtol * |ref| against the float64 reference (which rounds where
@@ -344,23 +344,7 @@ def test_a_grown_workspace_keeps_the_old_one_alive_and_grows_geometrically(monke
     """Growth replaces the cached workspace; the replaced one must stay alive even with no CUDA
     graph captured (a launch on it may still run here or on a peer), and capacities grow by at
     least 1.5x so that few are kept.  Allocation, capture state and group size are stubbed."""
-    import types
-
-    from weave_compile.kernels import outside_pool
-    from weave_compile.ops import reference
-
-    made = []
-
-    def fake_allocate(group, device, hidden, in_dtype, res_dtype, capacity):
-        made.append(types.SimpleNamespace(world_size=2, capacity=capacity))
-        return made[-1]
-
-    monkeypatch.setattr(oneshot, "_allocate", fake_allocate)
-    monkeypatch.setattr(oneshot, "_WORKSPACES", {})
-    monkeypatch.setattr(oneshot, "_RETIRED", [])
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(outside_pool, "run_outside_graph_pool", lambda fn, device: fn())
-    monkeypatch.setattr(reference, "group_size", lambda group: 2)
+    made = stub_workspace_allocation(monkeypatch, oneshot)
     dev = torch.device("cuda", 0)
     get = lambda T: oneshot.get_workspace("g", torch.bfloat16, torch.bfloat16, 64, T, dev)  # noqa: E731
     first = get(100)
