@@ -20,9 +20,12 @@ rank are counted as read + written (bf16, H columns, S rows per rank, N ranks):
 
 ``gbps_per_cta`` = bytes / time / CTAs of one rank; ``timeouts`` counts barrier waits that hit
 the spin limit during the point (0 expected).  Designs: ``push`` (today's launch shape,
-:func:`weave_compile.kernels.launch.push_meta`: several tiles in flight per CTA) and
+:func:`weave_compile.kernels.launch.push_meta`: several tiles in flight per CTA, the add+norm's
+next tile prefetched into registers) and
 ``push_v1`` (the same kernel with the first push kernel's launch shape: the pull kernel's rows
-per iteration, nothing unrolled or pipelined, :func:`push_v1_meta`), ``push_ring`` (``push``
+per iteration, nothing unrolled or pipelined, :func:`push_v1_meta`), ``push_pipelined`` (the
+shape before the add+norm prefetch: 16 warps, its add+norm loop a 3-stage ``tl.range``
+cp.async pipeline, :func:`push_pipelined_meta`), ``push_ring`` (``push``
 leaving its normed output in ring slot 1, ``out_slot``: its gather phase copies nothing with a
 sharded residual, so its ``gather`` rows time the barriers and its ``all`` row is the op without
 the second copy of the peers' rows); ``--sweep`` adds
@@ -50,30 +53,34 @@ os.environ.setdefault("WEAVE_SYMM_SPIN_LIMIT", str(1 << 24))
 
 COLUMNS = ["gpu", "torch", "triton", "git_commit", "date", "design", "phase", "ctas", "rows_per_rank",
            "hidden", "world_size", "residual", "block_rows", "copy_unroll", "copy_stages",
-           "norm_unroll", "norm_stages", "bytes", "us", "gbps_per_cta", "timeouts"]
+           "norm_unroll", "norm_stages", "norm_prefetch", "num_warps", "bytes", "us", "gbps_per_cta", "timeouts"]
 PHASES = {"scatter": 1, "reduce_norm": 2, "gather": 4, "all": 7, "barriers": 0}
 TARGET = 80.0
 #: ``--sweep`` (``--sweep-ctas``, default 8; ``--sweep-hidden``, default 4096): the push kernel with one knob changed, on the phases the knob affects
 #: (name: (LaunchMeta overrides, phases)); block_rows changes apply to every phase's tiles.
-SWEEP = {
+SWEEP = {  # the first entries time knobs of the copy phases, then of the pipelined add+norm loop
     "copy_u1": (dict(copy_unroll=1), ("scatter", "gather")),
     "copy_u2": (dict(copy_unroll=2), ("scatter", "gather")),
     "copy_u8": (dict(copy_unroll=8), ("scatter", "gather")),
     "copy_u1_s4": (dict(copy_unroll=1, copy_stages=4), ("scatter", "gather")),
     "copy_u2_s3": (dict(copy_unroll=2, copy_stages=3), ("scatter", "gather")),
-    "norm_s1": (dict(norm_stages=1), ("reduce_norm",)),
-    "norm_s2": (dict(norm_stages=2), ("reduce_norm",)),
-    "norm_u2_s1": (dict(norm_unroll=2, norm_stages=1), ("reduce_norm",)),
-    "norm_r4_s2": (dict(block_rows=4, norm_stages=2), ("reduce_norm",)),
-    "norm_r1_s3": (dict(block_rows=1, norm_stages=3), ("reduce_norm",)),
+    "norm_s1": (dict(norm_stages=1, norm_prefetch=False), ("reduce_norm",)),
+    "norm_s2": (dict(norm_stages=2, norm_prefetch=False), ("reduce_norm",)),
+    "norm_u2_s1": (dict(norm_unroll=2, norm_stages=1, norm_prefetch=False), ("reduce_norm",)),
+    "norm_r4_s2": (dict(block_rows=4, norm_stages=2, norm_prefetch=False), ("reduce_norm",)),
+    "norm_r1_s3": (dict(block_rows=1, norm_stages=3, norm_prefetch=False), ("reduce_norm",)),
     # fewer warps: fewer issue slots per row (SASS of the add+norm loop at H=4096, per row:
     # 16 warps 856, 8 warps 703, 4 warps 585 issue cycles), less latency hiding
-    "norm_w8": (dict(num_warps=8), ("reduce_norm",)),
-    "norm_w4": (dict(num_warps=4), ("reduce_norm",)),
-    "norm_w8_r4": (dict(num_warps=8, block_rows=4), ("reduce_norm",)),
-    "norm_w4_r1_s4": (dict(num_warps=4, block_rows=1, norm_stages=4), ("reduce_norm",)),
+    "norm_w8": (dict(num_warps=8, norm_prefetch=False), ("reduce_norm",)),
+    "norm_w4": (dict(num_warps=4, norm_prefetch=False), ("reduce_norm",)),
+    "norm_w8_r4": (dict(num_warps=8, block_rows=4, norm_prefetch=False), ("reduce_norm",)),
+    "norm_w4_r1_s4": (dict(num_warps=4, block_rows=1, norm_stages=4, norm_prefetch=False), ("reduce_norm",)),
     # the same 8 warps in every phase (the warp count is the launch's, not one loop's)
-    "w8_all": (dict(num_warps=8), ("scatter", "reduce_norm", "gather", "all")),
+    "w8_all": (dict(num_warps=8, norm_prefetch=False), ("scatter", "reduce_norm", "gather", "all")),
+    # the register-prefetched add+norm loop (push's default) at other warp counts / tile rows
+    "pf_w4": (dict(num_warps=4), ("reduce_norm",)),
+    "pf_w16": (dict(num_warps=16), ("reduce_norm",)),
+    "pf_r1": (dict(block_rows=1), ("reduce_norm",)),
 }
 
 
@@ -96,16 +103,21 @@ def _points(args, H: int, S: int, N: int):
 
     for design in args.designs:
         for ctas in args.ctas:
-            m = (launch.push_v1_meta(H, S, ctas) if design == "push_v1"
-                 else launch.push_meta(H, S, ctas, N, 2, 2))
+            if design == "push_v1":
+                m = launch.push_v1_meta(H, S, ctas)
+            elif design == "push_pipelined":
+                m = launch.push_pipelined_meta(H, S, ctas, N, 2, 2)
+            else:
+                m = launch.push_meta(H, S, ctas, N, 2, 2)
             yield design, m, args.phases
     if args.sweep and H in args.sweep_hidden:
         for ctas in args.sweep_ctas:
-            base = launch.push_meta(H, S, ctas, N, 2, 2)
+            bases = {True: launch.push_meta(H, S, ctas, N, 2, 2),  # knobs of the prefetched loop
+                     False: launch.push_pipelined_meta(H, S, ctas, N, 2, 2)}  # of the pipelined one
             for name, (over, phases) in SWEEP.items():
                 if args.sweep_only and name not in args.sweep_only:
                     continue
-                yield f"push:{name}", dataclasses.replace(base, **over), phases
+                yield f"push:{name}", dataclasses.replace(bases[over.get("norm_prefetch", True)], **over), phases
 
 
 def run(args) -> list:
@@ -149,11 +161,13 @@ def run(args) -> list:
                                  hidden=H, world_size=N, residual="sharded" if sharded else "full",
                                  block_rows=m.block_rows, copy_unroll=m.copy_unroll,
                                  copy_stages=m.copy_stages, norm_unroll=m.norm_unroll,
-                                 norm_stages=m.norm_stages, bytes=nbytes, us=round(us, 2),
+                                 norm_stages=m.norm_stages, norm_prefetch=int(m.norm_prefetch),
+                                 num_warps=m.num_warps, bytes=nbytes, us=round(us, 2),
                                  gbps_per_cta=round(gbps, 1), timeouts=timeouts - timeouts_before))
                 timeouts_before = timeouts
                 print(f"{design:18s} H={H:5d} ctas={m.grid:2d} rows={m.block_rows} "
-                      f"copy u{m.copy_unroll}/s{m.copy_stages} norm u{m.norm_unroll}/s{m.norm_stages} "
+                      f"w{m.num_warps} copy u{m.copy_unroll}/s{m.copy_stages} "
+                      f"norm {'prefetch' if m.norm_prefetch else f'u{m.norm_unroll}/s{m.norm_stages}'} "
                       f"{phase:12s} {us:9.1f} us {gbps:7.1f} GB/s/CTA"
                       + (f"  {rows[-1]['timeouts']} BARRIER TIMEOUTS" if rows[-1]["timeouts"] else ""),
                       flush=True)
@@ -206,8 +220,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=4096, help="rows per rank")
     ap.add_argument("--world", type=int, default=2, help="emulated ranks")
     ap.add_argument("--ctas", type=int, nargs="+", default=[2, 4, 8, 16, 32])
-    ap.add_argument("--designs", nargs="+", default=["push", "push_ring", "push_v1"],
-                    choices=["push", "push_ring", "push_v1"],
+    ap.add_argument("--designs", nargs="+", default=["push", "push_ring", "push_pipelined", "push_v1"],
+                    choices=["push", "push_ring", "push_pipelined", "push_v1"],
                     help="push_ring: the push kernel leaving its output in the ring (out_slot=1)")
     ap.add_argument("--phases", nargs="+", default=list(PHASES), choices=list(PHASES))
     ap.add_argument("--full-residual", action="store_true", help="residual in and out [T, H]")

@@ -66,13 +66,20 @@ def test_launch_meta_is_rank_independent_and_covers_rows():
                 assert seen == list(range(S))
 
 
-def test_push_meta_is_rank_independent_pipelined_and_covers_rows():
+def test_push_meta_is_rank_independent_fits_and_covers_rows():
     for H in (64, 2048, 4096, 5120, 8192, 16384):
         for S in (1, 3, 4, 64, 500, 2048, 8192):
             for ctas in (1, 2, 4, 8, 16, 32):
-                for world, nbytes in ((2, 2), (8, 4)):
-                    m = launch.push_meta(H, S, ctas, world, nbytes, nbytes)
-                    assert m == launch.push_meta(H, S, ctas, world, nbytes, nbytes)
+                for world, nbytes, meta in ((2, 2, launch.push_meta), (3, 2, launch.push_meta),
+                                            (8, 4, launch.push_meta), (8, 2, launch.push_meta),
+                                            (2, 2, launch.push_pipelined_meta)):
+                    m = meta(H, S, ctas, world, nbytes, nbytes)
+                    assert m == meta(H, S, ctas, world, nbytes, nbytes)
+                    if m.norm_prefetch:  # two tiles of every input fit the registers (the model)
+                        e = m.block_rows * m.block_h // (32 * m.num_warps)
+                        inputs = 1 + launch.next_pow2(world - 1) + 1
+                        assert 1 <= e <= 32 and m.num_warps in (1, 2, 4, 8, 16, 32)
+                        assert 2 * inputs * e * nbytes / 4 + 2 * e + 40 <= min(255, 2048 // m.num_warps)
                     assert 1 <= m.grid <= ctas and m.block_h >= H
                     for n in (m.block_rows, m.copy_unroll, m.norm_unroll):
                         assert 1 <= n <= 8 and n & (n - 1) == 0  # tl.arange needs powers of 2
@@ -96,10 +103,16 @@ def test_push_meta_is_rank_independent_pipelined_and_covers_rows():
                                             seen[j] = pid
                         assert sorted(seen) == list(range(S))
                         assert owner.setdefault("pid", seen) == seen
-    # the shape the measurements call for at H=4096, bf16, 8 CTAs: 2-row tiles,
-    # 4 tiles (64 KB) in flight per copy iteration, a 3-stage add+norm pipeline
+    # the shape measured fastest at H=4096, bf16, 2 ranks, 8 CTAs (benchmarks/NOTES.md): 2-row
+    # tiles, 4 tiles (64 KB) in flight per copy iteration, the add+norm's next tile prefetched
+    # into registers by 8 warps (32 elements of each input per thread); at 8192 one row
     m = launch.push_meta(4096, 4096, 8, 2, 2, 2)
-    assert (m.grid, m.block_rows, m.copy_unroll, m.norm_stages) == (8, 2, 4, 3)
+    assert (m.grid, m.block_rows, m.copy_unroll, m.num_warps, m.norm_prefetch) == (8, 2, 4, 8, True)
+    assert (launch.push_meta(8192, 4096, 8, 2, 2, 2).block_rows, launch.push_meta(8192, 4096, 8, 2, 2, 2).num_warps) == (1, 8)
+    p = launch.push_pipelined_meta(4096, 4096, 8, 2, 2, 2)  # the shape before
+    assert (p.grid, p.block_rows, p.copy_unroll, p.norm_stages, p.norm_prefetch) == (8, 2, 4, 3, False)
+    # a forced warp count keeps the pipelined loop (its shape is what the warps were tuned for)
+    assert not launch.push_meta(4096, 4096, 8, 2, 2, 2, num_warps=16).norm_prefetch
     v1 = launch.push_v1_meta(4096, 4096, 8)
     assert (v1.block_rows, v1.copy_unroll, v1.copy_stages, v1.norm_stages) == (4, 1, 1, 1)
 

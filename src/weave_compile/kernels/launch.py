@@ -50,6 +50,9 @@ class LaunchMeta:
     copy_stages: int = 1
     norm_unroll: int = 1
     norm_stages: int = 1
+    # push kernel: the add+norm loop loads the next tile into registers before this tile's math
+    # (True), or runs the tl.range pipeline of norm_stages stages (False)
+    norm_prefetch: bool = False
 
 
 def _warps_and_rows(hidden: int, rows_per_rank: int, comm_ctas: int, r_max: int,
@@ -77,17 +80,71 @@ def launch_meta(hidden: int, rows_per_rank: int, comm_ctas: int,
     return LaunchMeta(*_warps_and_rows(hidden, rows_per_rank, comm_ctas, r_max, num_warps))
 
 
+def _prefetch_shape(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
+                    in_bytes: int, res_bytes: int) -> Optional[tuple]:
+    """``(block_rows, num_warps)`` of the register-prefetched add+norm loop, or None where no
+    shape keeps two tiles of its inputs in registers.
+
+    Each thread holds ``E`` elements of every input (x, the padded peer tile, the residual) of
+    the current tile and of the next one.  Measured on one H200 with 2 bf16 ranks
+    (benchmarks/NOTES.md, session 5): E = 32 (8 warps; 2 rows at H=4096, 1 at 8192) is the
+    fastest (4 warps x 1 row, also E = 32, measured 55: the bigger tile wins), fewer elements
+    leave bytes unloaded, and shapes beyond the register file spill (10-20x slower).  So: the
+    largest E <= 32 whose registers fit, by a model (two buffers of packed inputs + ~2 fp32
+    values per element + 40), then the biggest tile, then the fewest warps.  Only the 2-rank
+    bf16 shapes are measured; the model keeps the others out of the register file's limit."""
+    block_h = next_pow2(hidden)
+    inputs = 1 + next_pow2(max(1, world_size - 1)) + 1
+    best = None
+    for rows in (1, 2, 4, 8):
+        if rows * block_h > 8192 or rows > max(1, prev_pow2(math.ceil(rows_per_rank / max(1, comm_ctas)))):
+            continue
+        for warps in (1, 2, 4, 8, 16, 32):
+            e = rows * block_h // (32 * warps)
+            regs = 2 * inputs * e * max(in_bytes, res_bytes) / 4 + 2 * e + 40
+            if 1 <= e <= 32 and regs <= min(255, 65536 // (32 * warps)):
+                key = (e, rows, -warps)  # most per thread, then the biggest tile, then fewest warps
+                if best is None or key > best[0]:
+                    best = (key, rows, warps)
+    return None if best is None else best[1:]
+
+
 @functools.lru_cache(maxsize=4096)
 def push_meta(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
               in_bytes: int, res_bytes: int, num_warps: Optional[int] = None) -> LaunchMeta:
-    """The push kernel's tile shape, grid, unrolling and pipeline depth.
+    """The push kernel's tile shape, grid, unrolling and add+norm loop.
 
-    Tiles of ~8192 elements (2 rows at H=4096, 1 at 8192: 16 KB of bf16).  Copy phases: as
-    many tiles per iteration as make ~64 KB in flight per CTA, held in registers (no shared
-    memory staging: a 2-row x 4-stage ``tl.range`` copy measured slower than 4 unpipelined
-    rows, benchmarks/NOTES.md).  Add+norm: one tile per iteration, as many ``tl.range`` stages
-    (<= 3) as the shared-memory budget allows for the loads one iteration stages (x, N-1
-    partials, the residual).  Never more tiles per iteration than the shard gives a CTA."""
+    Copy phases: as many tiles per iteration as make ~64 KB in flight per CTA, held in
+    registers (no shared memory staging: a 2-row x 4-stage ``tl.range`` copy measured slower
+    than 4 unpipelined rows, benchmarks/NOTES.md).  Add+norm: the next tile's inputs are loaded
+    into registers while this one is reduced and stored (``norm_prefetch``, shape from
+    :func:`_prefetch_shape`: 8 warps and 2-row tiles at H=4096 for 2 bf16 ranks; measured
+    76 GB/s per CTA at 8 CTAs against 53-58 for the pipelined loop); where no such shape fits
+    the registers (many ranks with wide dtypes), or ``num_warps`` is forced, the
+    :func:`push_pipelined_meta` shape.  Never more tiles per iteration than the shard gives a
+    CTA."""
+    shape = None if num_warps is not None else _prefetch_shape(
+        hidden, rows_per_rank, comm_ctas, world_size, in_bytes, res_bytes)
+    if shape is None:
+        return push_pipelined_meta(hidden, rows_per_rank, comm_ctas, world_size, in_bytes, res_bytes,
+                                   num_warps)
+    block_rows, warps = shape
+    block_h, block_rows, warps, grid = _warps_and_rows(hidden, rows_per_rank, comm_ctas, block_rows,
+                                                       warps)
+    elems = block_rows * block_h
+    tiles_per_cta = max(1, math.ceil(rows_per_rank / (grid * block_rows)))
+    copy_unroll = max(1, min(8, prev_pow2(_COPY_IN_FLIGHT // (elems * max(in_bytes, res_bytes))),
+                             prev_pow2(tiles_per_cta)))
+    return LaunchMeta(block_h, block_rows, warps, grid, copy_unroll=copy_unroll, norm_prefetch=True)
+
+
+@functools.lru_cache(maxsize=4096)
+def push_pipelined_meta(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
+                        in_bytes: int, res_bytes: int, num_warps: Optional[int] = None) -> LaunchMeta:
+    """The push kernel's launch shape before the add+norm prefetch (kept for the benchmarks):
+    16 warps, the add+norm loop a ``tl.range`` pipeline of as many stages (<= 3) as the
+    shared-memory budget allows for the loads one iteration stages (x, N-1 partials, the
+    residual)."""
     block_h, block_rows, num_warps, grid = _warps_and_rows(
         hidden, rows_per_rank, comm_ctas, max(1, min(8, 8192 // next_pow2(hidden))), num_warps)
     elems = block_rows * block_h
@@ -134,7 +191,9 @@ def pull_constexprs(use_multimem: bool, **kw) -> dict:
 def push_constexprs(meta: LaunchMeta, **kw) -> dict:
     return dict(norm_constexprs(block_h=meta.block_h, block_rows=meta.block_rows, **kw),
                 COPY_UNROLL=meta.copy_unroll, COPY_STAGES=meta.copy_stages,
-                NORM_UNROLL=meta.norm_unroll, NORM_STAGES=meta.norm_stages)
+                NORM_UNROLL=meta.norm_unroll, NORM_STAGES=meta.norm_stages,
+                NORM_PREFETCH=bool(meta.norm_prefetch),
+                PEERS_P2=next_pow2(max(1, int(kw["world_size"]) - 1)))
 
 
 def _norm_inputs(residual, bias, weight):

@@ -42,7 +42,8 @@ from __future__ import annotations
 from .common import HAS_TRITON, tl, triton
 
 if HAS_TRITON:
-    from .rownorm import add_norm, norm_params, shard_rows, store_residual_shard
+    from .rownorm import (add_norm, load_residual, norm_params, norm_tile, shard_rows,
+                          store_residual_shard)
     from .sync import block_barrier
 
     @triton.jit
@@ -77,6 +78,57 @@ if HAS_TRITON:
             v = tl.load(SRC + s_row[:, None] * stride_src + cols[None, :], mask=m)
             tl.store(DST + d_row[:, None] * stride_dst + cols[None, :], v, mask=m)
 
+    @triton.jit
+    def _norm_loads(X, stride_x_row, in_base, RESIDUAL, stride_res_row, j0, rank, slot_rows,
+                    rows_per_rank, num_tokens, step, cols, col_ok, HIDDEN: tl.constexpr,
+                    BLOCK_ROWS: tl.constexpr, UNROLL: tl.constexpr, WORLD_SIZE: tl.constexpr,
+                    PEERS_P2: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                    RESIDUAL_IN_SHARDED: tl.constexpr):
+        """The add+norm inputs of the tile at ``j0``, as loaded (not yet converted): our partial
+        sums [R, BLOCK_H], the N-1 partials peers pushed into our input slots as one
+        [PEERS_P2, R, BLOCK_H] tile (peer ``t`` is rank ``r + 1 + t``; padding masked), and the
+        residual (a placeholder without one).  Rows past the shard are masked (no traffic)."""
+        j, rows, ok = shard_rows(j0, BLOCK_ROWS, rank, rows_per_rank, num_tokens, UNROLL, step)
+        m = ok[:, None] & col_ok[None, :]
+        x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=m, other=0.0)
+        t = tl.arange(0, PEERS_P2)
+        p = (rank + 1 + t) % WORLD_SIZE
+        at = (p[:, None, None] * slot_rows + j[None, :, None]) * HIDDEN + cols[None, None, :]
+        parts = tl.load(in_base + at, mask=(t < WORLD_SIZE - 1)[:, None, None] & m[None, :, :],
+                        other=0.0)
+        if HAS_RESIDUAL:
+            resid = load_residual(RESIDUAL, j, rows, m, cols, stride_res_row, RESIDUAL_IN_SHARDED)
+        else:
+            resid = tl.zeros((1,), dtype=tl.float32)
+        return x, parts, resid
+
+    @triton.jit
+    def _norm_store(PTR_TABLE, NORMED, RESIDUAL_OUT, res, normed, j, rows, m, col_ok, cols, rank,
+                    slot_rows, rows_per_rank, stride_out_row, stride_res_out_row, out_ring_row,
+                    HIDDEN: tl.constexpr, WORLD_SIZE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                    RES_DTYPE: tl.constexpr, RESIDUAL_OUT_SHARDED: tl.constexpr,
+                    OUT_IN_REGION: tl.constexpr):
+        """Phase 2's stores of one tile: our residual and normed rows, and their pushes into slot
+        ``[rank]`` of every peer's residual / output region (the global row of the ring slot
+        with ``OUT_IN_REGION``)."""
+        slot = (rank * slot_rows + j)[:, None] * HIDDEN + cols[None, :]
+        if RESIDUAL_OUT_SHARDED:
+            store_residual_shard(RESIDUAL_OUT, j, res, m, col_ok, cols, rows_per_rank,
+                                 stride_res_out_row)
+        else:
+            tl.store(RESIDUAL_OUT + rows[:, None] * stride_res_out_row + cols[None, :], res, mask=m)
+            for q in tl.static_range(1, WORLD_SIZE):
+                p = (rank + q) % WORLD_SIZE
+                tl.store(_region(PTR_TABLE, 2, p, RES_DTYPE, WORLD_SIZE) + slot, res, mask=m)
+        tl.store(NORMED + rows[:, None] * stride_out_row + cols[None, :], normed, mask=m)
+        if OUT_IN_REGION:  # the global row of the peers' ring slot: their output itself
+            out_at = (out_ring_row + rows)[:, None] * HIDDEN + cols[None, :]
+        else:
+            out_at = slot
+        for q in tl.static_range(1, WORLD_SIZE):
+            p = (rank + q) % WORLD_SIZE
+            tl.store(_region(PTR_TABLE, 1, p, OUT_DTYPE, WORLD_SIZE) + out_at, normed, mask=m)
+
     @triton.jit(do_not_specialize=["num_tokens", "rows_per_rank", "slot_rows", "rank", "pad_offset"])
     def push_allreduce_rmsnorm_kernel(
         PTR_TABLE,  # *i64: in[N], out[N], res[N], pad[N] addresses (regions used as [N, slot_rows, H])
@@ -91,8 +143,8 @@ if HAS_TRITON:
         out_ring_row,  # OUT_IN_REGION: first row of the ring slot NORMED is, in every out region
         WORLD_SIZE: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_ROWS: tl.constexpr, COPY_UNROLL: tl.constexpr, COPY_STAGES: tl.constexpr,
-        NORM_UNROLL: tl.constexpr, NORM_STAGES: tl.constexpr,
-        IN_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, RES_DTYPE: tl.constexpr,
+        NORM_UNROLL: tl.constexpr, NORM_STAGES: tl.constexpr, NORM_PREFETCH: tl.constexpr,
+        PEERS_P2: tl.constexpr, IN_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, RES_DTYPE: tl.constexpr,
         MID_DTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
         HAS_WEIGHT: tl.constexpr, HAS_MID: tl.constexpr, RESIDUAL_IN_SHARDED: tl.constexpr,
         RESIDUAL_OUT_SHARDED: tl.constexpr, SPIN_LIMIT: tl.constexpr, FENCE_ASM: tl.constexpr,
@@ -122,38 +174,52 @@ if HAS_TRITON:
         # 2. reduce our rows locally, add, norm; keep our rows, push them to every peer.
         if PHASES & 2:
             bias, w = norm_params(BIAS, WEIGHT, cols, col_ok, weight_offset, HAS_BIAS, HAS_WEIGHT)
-            for j0 in tl.range(pid * BLOCK_ROWS, rows_per_rank, step * NORM_UNROLL,
-                               num_stages=NORM_STAGES):
-                j, rows, ok = shard_rows(j0, BLOCK_ROWS, rank, rows_per_rank, num_tokens,
-                                         NORM_UNROLL, step)
-                m = ok[:, None] & col_ok[None, :]
-                acc = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=m,
-                              other=0.0).to(tl.float32)
-                for q in tl.static_range(1, WORLD_SIZE):
-                    p = (rank + q) % WORLD_SIZE
-                    acc += tl.load(in_base + (p * slot_rows + j)[:, None] * HIDDEN + cols[None, :],
-                                   mask=m, other=0.0).to(tl.float32)
-                res, normed = add_norm(acc, j, rows, m, cols, RESIDUAL, stride_res_row, bias, w, eps,
-                                       HIDDEN, RES_DTYPE, OUT_DTYPE, MID_DTYPE, HAS_BIAS,
-                                       HAS_RESIDUAL, HAS_WEIGHT, HAS_MID, RESIDUAL_IN_SHARDED)
-                slot = (rank * slot_rows + j)[:, None] * HIDDEN + cols[None, :]
-                if RESIDUAL_OUT_SHARDED:
-                    store_residual_shard(RESIDUAL_OUT, j, res, m, col_ok, cols, rows_per_rank,
-                                         stride_res_out_row)
-                else:
-                    tl.store(RESIDUAL_OUT + rows[:, None] * stride_res_out_row + cols[None, :], res,
-                             mask=m)
+            if NORM_PREFETCH:
+                # Registers double-buffered: the next tile's loads are issued before this tile's
+                # math and stores, so they are in flight meanwhile (no shared-memory staging, no
+                # wait and CTA barrier per stage as in the tl.range pipeline below).
+                nx, nparts, nres = _norm_loads(
+                    X, stride_x_row, in_base, RESIDUAL, stride_res_row, pid * BLOCK_ROWS, rank,
+                    slot_rows, rows_per_rank, num_tokens, step, cols, col_ok, HIDDEN, BLOCK_ROWS,
+                    NORM_UNROLL, WORLD_SIZE, PEERS_P2, HAS_RESIDUAL, RESIDUAL_IN_SHARDED)
+                for j0 in tl.range(pid * BLOCK_ROWS, rows_per_rank, step * NORM_UNROLL, num_stages=1):
+                    cx = nx
+                    cparts = nparts
+                    cres = nres
+                    nx, nparts, nres = _norm_loads(
+                        X, stride_x_row, in_base, RESIDUAL, stride_res_row, j0 + step * NORM_UNROLL,
+                        rank, slot_rows, rows_per_rank, num_tokens, step, cols, col_ok, HIDDEN,
+                        BLOCK_ROWS, NORM_UNROLL, WORLD_SIZE, PEERS_P2, HAS_RESIDUAL,
+                        RESIDUAL_IN_SHARDED)
+                    j, rows, ok = shard_rows(j0, BLOCK_ROWS, rank, rows_per_rank, num_tokens,
+                                             NORM_UNROLL, step)
+                    m = ok[:, None] & col_ok[None, :]
+                    acc = cx.to(tl.float32) + tl.sum(cparts.to(tl.float32), axis=0)
+                    res, normed = norm_tile(acc, cres, bias, w, eps, HIDDEN, RES_DTYPE, OUT_DTYPE,
+                                            MID_DTYPE, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, HAS_MID)
+                    _norm_store(PTR_TABLE, NORMED, RESIDUAL_OUT, res, normed, j, rows, m, col_ok, cols,
+                                rank, slot_rows, rows_per_rank, stride_out_row, stride_res_out_row,
+                                out_ring_row, HIDDEN, WORLD_SIZE, OUT_DTYPE, RES_DTYPE,
+                                RESIDUAL_OUT_SHARDED, OUT_IN_REGION)
+            else:
+                for j0 in tl.range(pid * BLOCK_ROWS, rows_per_rank, step * NORM_UNROLL,
+                                   num_stages=NORM_STAGES):
+                    j, rows, ok = shard_rows(j0, BLOCK_ROWS, rank, rows_per_rank, num_tokens,
+                                             NORM_UNROLL, step)
+                    m = ok[:, None] & col_ok[None, :]
+                    acc = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=m,
+                                  other=0.0).to(tl.float32)
                     for q in tl.static_range(1, WORLD_SIZE):
                         p = (rank + q) % WORLD_SIZE
-                        tl.store(_region(PTR_TABLE, 2, p, RES_DTYPE, WORLD_SIZE) + slot, res, mask=m)
-                tl.store(NORMED + rows[:, None] * stride_out_row + cols[None, :], normed, mask=m)
-                if OUT_IN_REGION:  # the global row of the peers' ring slot: their output itself
-                    out_at = (out_ring_row + rows)[:, None] * HIDDEN + cols[None, :]
-                else:
-                    out_at = slot
-                for q in tl.static_range(1, WORLD_SIZE):
-                    p = (rank + q) % WORLD_SIZE
-                    tl.store(_region(PTR_TABLE, 1, p, OUT_DTYPE, WORLD_SIZE) + out_at, normed, mask=m)
+                        acc += tl.load(in_base + (p * slot_rows + j)[:, None] * HIDDEN + cols[None, :],
+                                       mask=m, other=0.0).to(tl.float32)
+                    res, normed = add_norm(acc, j, rows, m, cols, RESIDUAL, stride_res_row, bias, w,
+                                           eps, HIDDEN, RES_DTYPE, OUT_DTYPE, MID_DTYPE, HAS_BIAS,
+                                           HAS_RESIDUAL, HAS_WEIGHT, HAS_MID, RESIDUAL_IN_SHARDED)
+                    _norm_store(PTR_TABLE, NORMED, RESIDUAL_OUT, res, normed, j, rows, m, col_ok, cols,
+                                rank, slot_rows, rows_per_rank, stride_out_row, stride_res_out_row,
+                                out_ring_row, HIDDEN, WORLD_SIZE, OUT_DTYPE, RES_DTYPE,
+                                RESIDUAL_OUT_SHARDED, OUT_IN_REGION)
         if SYNC:
             block_barrier(PTR_TABLE, STATUS, rank, pad_offset, WORLD_SIZE, SPIN_LIMIT, FENCE_ASM)
 

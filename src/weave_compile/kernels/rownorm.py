@@ -42,23 +42,24 @@ if HAS_TRITON:
         return bias, w
 
     @triton.jit
-    def add_norm(acc, j, rows, mask, cols, RESIDUAL, stride_res_row, bias, w, eps,
-                 HIDDEN: tl.constexpr, RES_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                 MID_DTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                 HAS_WEIGHT: tl.constexpr, HAS_MID: tl.constexpr,
-                 RESIDUAL_IN_SHARDED: tl.constexpr):
-        """``(residual_out, normed)`` of the reduced fp32 tile ``acc`` (see module doc).
+    def load_residual(RESIDUAL, j, rows, mask, cols, stride_res_row, RESIDUAL_IN_SHARDED: tl.constexpr):
+        """The residual rows of a tile, as stored (a sharded residual is indexed by ``j``)."""
+        if RESIDUAL_IN_SHARDED:
+            r_off = j[:, None] * stride_res_row + cols[None, :]
+        else:
+            r_off = rows[:, None] * stride_res_row + cols[None, :]
+        return tl.load(RESIDUAL + r_off, mask=mask, other=0.0)
 
-        ``j``/``rows``: shard-local and global row indices (a sharded residual is indexed
-        by ``j``); ``mask``: the valid [R, BLOCK_H] elements."""
+    @triton.jit
+    def norm_tile(acc, resid, bias, w, eps, HIDDEN: tl.constexpr, RES_DTYPE: tl.constexpr,
+                  OUT_DTYPE: tl.constexpr, MID_DTYPE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_MID: tl.constexpr):
+        """``(residual_out, normed)`` of the reduced fp32 tile ``acc`` and the residual tile
+        ``resid`` already loaded (ignored without ``HAS_RESIDUAL``); see module doc."""
         if HAS_BIAS:
             acc = acc + bias[None, :]
         if HAS_RESIDUAL:
-            if RESIDUAL_IN_SHARDED:
-                r_off = j[:, None] * stride_res_row + cols[None, :]
-            else:
-                r_off = rows[:, None] * stride_res_row + cols[None, :]
-            acc = acc + tl.load(RESIDUAL + r_off, mask=mask, other=0.0).to(tl.float32)
+            acc = acc + resid.to(tl.float32)
         res = acc.to(RES_DTYPE)
         r = res.to(tl.float32)
         var = tl.sum(r * r, axis=1) / HIDDEN
@@ -68,6 +69,22 @@ if HAS_TRITON:
         if HAS_WEIGHT:
             y = y * w[None, :]
         return res, y.to(OUT_DTYPE)
+
+    @triton.jit
+    def add_norm(acc, j, rows, mask, cols, RESIDUAL, stride_res_row, bias, w, eps,
+                 HIDDEN: tl.constexpr, RES_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                 MID_DTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                 HAS_WEIGHT: tl.constexpr, HAS_MID: tl.constexpr,
+                 RESIDUAL_IN_SHARDED: tl.constexpr):
+        """``(residual_out, normed)`` of the reduced fp32 tile ``acc``, loading the residual.
+
+        ``j``/``rows``: shard-local and global row indices (a sharded residual is indexed
+        by ``j``); ``mask``: the valid [R, BLOCK_H] elements."""
+        resid = acc
+        if HAS_RESIDUAL:
+            resid = load_residual(RESIDUAL, j, rows, mask, cols, stride_res_row, RESIDUAL_IN_SHARDED)
+        return norm_tile(acc, resid, bias, w, eps, HIDDEN, RES_DTYPE, OUT_DTYPE, MID_DTYPE, HAS_BIAS,
+                         HAS_RESIDUAL, HAS_WEIGHT, HAS_MID)
 
     @triton.jit
     def store_residual_shard(RESIDUAL_OUT, j, res, mask, col_ok, cols, rows_per_rank,
