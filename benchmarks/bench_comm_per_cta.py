@@ -54,7 +54,8 @@ os.environ.setdefault("WEAVE_SYMM_SPIN_LIMIT", str(1 << 24))
 COLUMNS = ["gpu", "torch", "triton", "git_commit", "date", "design", "phase", "ctas", "rows_per_rank",
            "hidden", "world_size", "residual", "block_rows", "copy_unroll", "copy_stages",
            "norm_unroll", "norm_stages", "norm_prefetch", "num_warps", "bytes", "us", "gbps_per_cta", "timeouts"]
-PHASES = {"scatter": 1, "reduce_norm": 2, "gather": 4, "all": 7, "barriers": 0}
+PHASES = {"scatter": 1, "reduce_norm": 2, "gather": 4, "all": 7, "barriers": 0,
+          "scatter+norm": 3, "norm+gather": 6}  # pairs: how the phases interact
 TARGET = 80.0
 #: ``--sweep`` (``--sweep-ctas``, default 8; ``--sweep-hidden``, default 4096): the push kernel with one knob changed, on the phases the knob affects
 #: (name: (LaunchMeta overrides, phases)); block_rows changes apply to every phase's tiles.
@@ -81,6 +82,7 @@ SWEEP = {  # the first entries time knobs of the copy phases, then of the pipeli
     "pf_w4": (dict(num_warps=4), ("reduce_norm",)),
     "pf_w16": (dict(num_warps=16), ("reduce_norm",)),
     "pf_r1": (dict(block_rows=1), ("reduce_norm",)),
+    "pf_w16_all": (dict(num_warps=16), ("scatter", "reduce_norm", "gather", "all")),
 }
 
 
@@ -92,7 +94,8 @@ def phase_bytes(phase: str, N: int, S: int, H: int, elem: int, sharded: bool, ri
     reduce_norm = (N + 1) * tile + (1 + (0 if sharded else N - 1) + N) * tile
     gather = (N - 1) * ((0 if ring else 2) + (0 if sharded else 2)) * tile
     return {"scatter": scatter, "reduce_norm": reduce_norm, "gather": gather,
-            "all": scatter + reduce_norm + gather, "barriers": 0}[phase]
+            "all": scatter + reduce_norm + gather, "barriers": 0, "scatter+norm": scatter + reduce_norm,
+            "norm+gather": reduce_norm + gather}[phase]
 
 
 def _points(args, H: int, S: int, N: int):
@@ -223,7 +226,8 @@ def main() -> None:
     ap.add_argument("--designs", nargs="+", default=["push", "push_ring", "push_pipelined", "push_v1"],
                     choices=["push", "push_ring", "push_pipelined", "push_v1"],
                     help="push_ring: the push kernel leaving its output in the ring (out_slot=1)")
-    ap.add_argument("--phases", nargs="+", default=list(PHASES), choices=list(PHASES))
+    ap.add_argument("--phases", nargs="+", default=["scatter", "reduce_norm", "gather", "all", "barriers"],
+                    choices=list(PHASES))
     ap.add_argument("--full-residual", action="store_true", help="residual in and out [T, H]")
     ap.add_argument("--sweep", action="store_true", help="also time the SWEEP variants")
     ap.add_argument("--sweep-hidden", type=int, nargs="+", default=[4096], help="hidden sizes of the sweep")
