@@ -86,13 +86,15 @@ def _prefetch_shape(hidden: int, rows_per_rank: int, comm_ctas: int, world_size:
     shape keeps two tiles of its inputs in registers.
 
     Each thread holds ``E`` elements of every input (x, the padded peer tile, the residual) of
-    the current tile and of the next one.  Measured on one H200 with 2 bf16 ranks
-    (benchmarks/NOTES.md, session 5): E = 32 (8 warps; 2 rows at H=4096, 1 at 8192) is the
-    fastest (4 warps x 1 row, also E = 32, measured 55: the bigger tile wins), fewer elements
-    leave bytes unloaded, and shapes beyond the register file spill (10-20x slower).  So: the
-    largest E <= 32 whose registers fit, by a model (two buffers of packed inputs + ~2 fp32
-    values per element + 40), then the biggest tile, then the fewest warps.  Only the 2-rank
-    bf16 shapes are measured; the model keeps the others out of the register file's limit."""
+    the current tile and of the next one.  Measured on one H200 with 2 bf16 ranks, emulated
+    (benchmarks/NOTES.md, session 5): E = 16 (16 warps; 2 rows at H=4096, 1 at 8192) is the
+    fastest whole op at 8 and 32 CTAs (E = 32 with 8 warps won a standalone add+norm probe but
+    lost in the kernel), and shapes beyond the register file spill (10-20x slower).  So: the
+    largest E <= 16 whose registers fit, by a model (two buffers of packed inputs + ~2 fp32
+    values per element + 40 <= the registers a thread gets at that warp count), then the
+    biggest tile, then the fewest warps.  Only 2-rank bf16 shapes are measured; for the others
+    the model only keeps the shape inside the register file.
+    """
     block_h = next_pow2(hidden)
     inputs = 1 + next_pow2(max(1, world_size - 1)) + 1
     best = None
@@ -102,7 +104,7 @@ def _prefetch_shape(hidden: int, rows_per_rank: int, comm_ctas: int, world_size:
         for warps in (1, 2, 4, 8, 16, 32):
             e = rows * block_h // (32 * warps)
             regs = 2 * inputs * e * max(in_bytes, res_bytes) / 4 + 2 * e + 40
-            if 1 <= e <= 32 and regs <= min(255, 65536 // (32 * warps)):
+            if 1 <= e <= 16 and regs <= min(255, 65536 // (32 * warps)):
                 key = (e, rows, -warps)  # most per thread, then the biggest tile, then fewest warps
                 if best is None or key > best[0]:
                     best = (key, rows, warps)
@@ -118,8 +120,9 @@ def push_meta(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
     registers (no shared memory staging: a 2-row x 4-stage ``tl.range`` copy measured slower
     than 4 unpipelined rows, benchmarks/NOTES.md).  Add+norm: the next tile's inputs are loaded
     into registers while this one is reduced and stored (``norm_prefetch``, shape from
-    :func:`_prefetch_shape`: 8 warps and 2-row tiles at H=4096 for 2 bf16 ranks; measured
-    76 GB/s per CTA at 8 CTAs against 53-58 for the pipelined loop); where no such shape fits
+    :func:`_prefetch_shape`: 16 warps and 2-row tiles at H=4096 for 2 bf16 ranks; measured
+    70 GB/s per CTA at 8 CTAs against 54 for the pipelined loop, the whole op 29% faster);
+    where no such shape fits
     the registers (many ranks with wide dtypes), or ``num_warps`` is forced, the
     :func:`push_pipelined_meta` shape.  Never more tiles per iteration than the shard gives a
     CTA."""
