@@ -111,7 +111,7 @@ def _points(args, H: int, S: int, N: int):
             elif design == "push_pipelined":
                 m = launch.push_pipelined_meta(H, S, ctas, N, 2, 2)
             else:
-                m = launch.push_meta(H, S, ctas, N, 2, 2)
+                m = launch.push_meta(H, S, ctas, N, 2, 2, ring=design == "push_ring")
             yield design, m, args.phases
     if args.sweep and H in args.sweep_hidden:
         for ctas in args.sweep_ctas:

@@ -23,6 +23,7 @@ Script mode:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -72,13 +73,14 @@ def test_push_meta_is_rank_independent_fits_and_covers_rows():
             for ctas in (1, 2, 4, 8, 16, 32):
                 for world, nbytes, meta in ((2, 2, launch.push_meta), (3, 2, launch.push_meta),
                                             (8, 4, launch.push_meta), (8, 2, launch.push_meta),
+                                            (2, 2, functools.partial(launch.push_meta, ring=True)),
                                             (2, 2, launch.push_pipelined_meta)):
                     m = meta(H, S, ctas, world, nbytes, nbytes)
                     assert m == meta(H, S, ctas, world, nbytes, nbytes)
                     if m.norm_prefetch:  # two tiles of every input fit the registers (the model)
                         e = m.block_rows * m.block_h // (32 * m.num_warps)
                         inputs = 1 + launch.next_pow2(world - 1) + 1
-                        assert 1 <= e <= 16 and m.num_warps in (1, 2, 4, 8, 16, 32)
+                        assert 1 <= e <= 32 and m.num_warps in (1, 2, 4, 8, 16, 32)
                         assert 2 * inputs * e * nbytes / 4 + 2 * e + 40 <= min(255, 2048 // m.num_warps)
                     assert 1 <= m.grid <= ctas and m.block_h >= H
                     for n in (m.block_rows, m.copy_unroll, m.norm_unroll):
@@ -112,6 +114,9 @@ def test_push_meta_is_rank_independent_fits_and_covers_rows():
     assert (m.block_rows, m.num_warps, m.norm_prefetch) == (1, 16, True)
     p = launch.push_pipelined_meta(4096, 4096, 8, 2, 2, 2)  # the shape before
     assert (p.grid, p.block_rows, p.copy_unroll, p.norm_stages, p.norm_prefetch) == (8, 2, 4, 3, False)
+    # with the output left in the ring, 8 warps (32 elements per thread) measured fastest
+    m = launch.push_meta(4096, 4096, 8, 2, 2, 2, ring=True)
+    assert (m.block_rows, m.num_warps, m.norm_prefetch) == (2, 8, True)
     # a forced warp count keeps the pipelined loop (its shape is what the warps were tuned for)
     assert not launch.push_meta(4096, 4096, 8, 2, 2, 2, num_warps=16).norm_prefetch
     v1 = launch.push_v1_meta(4096, 4096, 8)

@@ -67,9 +67,14 @@ def test_ptx_compiles_flag_variants(kernel, kw):
 def test_push_output_in_the_ring_compiles_with_vector_stores_and_no_gather(hidden, dtype):
     """OUT_IN_REGION: the peers' stores go to a run-time ring row, still 16-byte vectors; the
     gather phase's copy of the normed rows is gone (fewer global loads than the copying mode)."""
+    # One launch shape for both (the default shapes differ by mode), so the load counts compare.
     ring = compile_variant_ptx("p2p", dtype, hidden, residual_in_sharded=True, residual_out_sharded=True,
-                               out_in_region=True)
-    copying = compile_variant_ptx("p2p", dtype, hidden, residual_in_sharded=True, residual_out_sharded=True)
+                               out_in_region=True, num_warps=16)
+    copying = compile_variant_ptx("p2p", dtype, hidden, residual_in_sharded=True, residual_out_sharded=True,
+                                  num_warps=16)
+    default_ring = compile_variant_ptx("p2p", dtype, hidden, residual_in_sharded=True,
+                                       residual_out_sharded=True, out_in_region=True)
+    assert "st.global.v4.b32" in default_ring and "multimem" not in default_ring
     assert "st.global.v4.b32" in ring and not re.search(r"(ld|st)\.global\.b(16|32)\b", ring)
     assert "multimem" not in ring
     loads = [len(re.findall(r"ld\.global(\.\w+)*\.v4", p)) for p in (ring, copying)]

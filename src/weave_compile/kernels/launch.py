@@ -81,7 +81,7 @@ def launch_meta(hidden: int, rows_per_rank: int, comm_ctas: int,
 
 
 def _prefetch_shape(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
-                    in_bytes: int, res_bytes: int) -> Optional[tuple]:
+                    in_bytes: int, res_bytes: int, ring: bool = False) -> Optional[tuple]:
     """``(block_rows, num_warps)`` of the register-prefetched add+norm loop, or None where no
     shape keeps two tiles of its inputs in registers.
 
@@ -92,9 +92,12 @@ def _prefetch_shape(hidden: int, rows_per_rank: int, comm_ctas: int, world_size:
     lost in the kernel), and shapes beyond the register file spill (10-20x slower).  So: the
     largest E <= 16 whose registers fit, by a model (two buffers of packed inputs + ~2 fp32
     values per element + 40 <= the registers a thread gets at that warp count), then the
-    biggest tile, then the fewest warps.  Only 2-rank bf16 shapes are measured; for the others
-    the model only keeps the shape inside the register file.
+    biggest tile, then the fewest warps.  With the output left in the ring (``ring``) the
+    measured optimum is E = 32 (8 warps: whole op 441 vs 549 us at H=4096, 853 vs 976 at 8192,
+    8 CTAs; at 32 CTAs 161 vs 186 and 308 vs 298), so the cap is 32 there.  Only 2-rank bf16
+    shapes are measured; for the others the model only keeps the shape inside the register file.
     """
+    cap = 32 if ring else 16
     block_h = next_pow2(hidden)
     inputs = 1 + next_pow2(max(1, world_size - 1)) + 1
     best = None
@@ -104,7 +107,7 @@ def _prefetch_shape(hidden: int, rows_per_rank: int, comm_ctas: int, world_size:
         for warps in (1, 2, 4, 8, 16, 32):
             e = rows * block_h // (32 * warps)
             regs = 2 * inputs * e * max(in_bytes, res_bytes) / 4 + 2 * e + 40
-            if 1 <= e <= 16 and regs <= min(255, 65536 // (32 * warps)):
+            if 1 <= e <= cap and regs <= min(255, 65536 // (32 * warps)):
                 key = (e, rows, -warps)  # most per thread, then the biggest tile, then fewest warps
                 if best is None or key > best[0]:
                     best = (key, rows, warps)
@@ -113,7 +116,8 @@ def _prefetch_shape(hidden: int, rows_per_rank: int, comm_ctas: int, world_size:
 
 @functools.lru_cache(maxsize=4096)
 def push_meta(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
-              in_bytes: int, res_bytes: int, num_warps: Optional[int] = None) -> LaunchMeta:
+              in_bytes: int, res_bytes: int, num_warps: Optional[int] = None,
+              ring: bool = False) -> LaunchMeta:
     """The push kernel's tile shape, grid, unrolling and add+norm loop.
 
     Copy phases: as many tiles per iteration as make ~64 KB in flight per CTA, held in
@@ -125,9 +129,11 @@ def push_meta(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
     where no such shape fits
     the registers (many ranks with wide dtypes), or ``num_warps`` is forced, the
     :func:`push_pipelined_meta` shape.  Never more tiles per iteration than the shard gives a
-    CTA."""
+    CTA.  ``ring``: the launch leaves its normed output in the ring (``out_slot``), which
+    measured fastest with a different shape (see :func:`_prefetch_shape`); every rank passes the
+    same, as every rank compiles the same graph."""
     shape = None if num_warps is not None else _prefetch_shape(
-        hidden, rows_per_rank, comm_ctas, world_size, in_bytes, res_bytes)
+        hidden, rows_per_rank, comm_ctas, world_size, in_bytes, res_bytes, ring)
     if shape is None:
         return push_pipelined_meta(hidden, rows_per_rank, comm_ctas, world_size, in_bytes, res_bytes,
                                    num_warps)
@@ -257,7 +263,8 @@ def launch_push(ws: SymmWorkspace, x, residual, bias, weight, normed, residual_o
         if normed.data_ptr() != ring.data_ptr() or normed.stride(0) != H:
             raise ValueError(f"out_slot={out_slot}: normed must be the workspace's ring slot view")
     if meta is None:
-        meta = push_meta(H, S, comm_ctas, N, x.dtype.itemsize, residual_out.dtype.itemsize, num_warps)
+        meta = push_meta(H, S, comm_ctas, N, x.dtype.itemsize, residual_out.dtype.itemsize, num_warps,
+                         ring=out_slot >= 0)
     consts = push_constexprs(
         meta, world_size=N, hidden=H, in_dtype=x.dtype, out_dtype=normed.dtype,
         res_dtype=residual_out.dtype, mid_dtype=mid_dtype, has_bias=bias is not None,

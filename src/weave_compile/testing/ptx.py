@@ -85,7 +85,7 @@ def compile_variant_ptx(kernel: str, dtype: torch.dtype, hidden: int,
     if kernel == "p2p":
         fn = push_allreduce_rmsnorm_kernel
         meta = launch.push_meta(hidden, rows_per_rank, comm_ctas, world_size, dtype.itemsize,
-                                residual_dtype.itemsize, num_warps)
+                                residual_dtype.itemsize, num_warps, ring=bool(out_in_region))
         if block_rows is not None:
             meta = dataclasses.replace(meta, block_rows=int(block_rows))
         consts = dict(launch.push_constexprs(meta, **flags), PHASES=7, SYNC=True,
