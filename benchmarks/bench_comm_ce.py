@@ -34,7 +34,9 @@ from weave_compile.kernels import addnorm, copy_engine as ce  # noqa: E402
 COLUMNS = ["gpu", "design", "phase", "ctas", "rows_per_rank", "hidden", "us", "gbps_per_cta",
            "torch", "triton", "git_commit", "date"]
 SWEEP = [(1, 1, 8), (2, 1, 8), (4, 1, 16), (1, 3, 8), (2, 2, 8), (2, 3, 8), (2, 4, 8), (4, 2, 16),
-         (4, 3, 16), (2, 3, 16), (1, 4, 4), (8, 2, 16)]
+         (4, 3, 16), (2, 3, 16), (1, 4, 4), (8, 2, 16),
+         # (rows, -, warps, prefetch): the register-prefetched loop (the push kernel's, session 5)
+         (1, 1, 8, True), (2, 1, 8, True), (1, 1, 16, True), (2, 1, 16, True), (4, 1, 16, True)]
 
 
 def main() -> None:
@@ -84,14 +86,16 @@ def main() -> None:
 
         best_cfg, best_us = addnorm.launch_config(H), None
         if not args.no_sweep:
-            for r_, s_, w_ in SWEEP:
-                cfg = addnorm.LaunchConfig(r_, s_, w_)
+            for shape in SWEEP:
+                cfg = addnorm.LaunchConfig(*shape)
+                r_, s_, w_ = shape[:3]
                 try:
                     us = timer(norm_fn(args.sweep_ctas, cfg), args.iters)
                 except Exception as e:  # e.g. out of shared memory for deep pipelines of wide rows
                     print(f"config {cfg} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     continue
-                emit(f"ce_cfg:r{r_}s{s_}w{w_}", "addnorm", args.sweep_ctas, H, us, nbytes)
+                emit(f"ce_cfg:r{r_}{'p' if cfg.prefetch else f's{s_}'}w{w_}", "addnorm", args.sweep_ctas, H, us,
+                     nbytes)
                 if best_us is None or us < best_us:
                     best_cfg, best_us = cfg, us
             print(f"H={H}: best add+norm shape at {args.sweep_ctas} CTAs: {best_cfg}", flush=True)

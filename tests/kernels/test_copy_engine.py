@@ -203,7 +203,8 @@ seed = int(sys.argv[2])
 # The kernel alone, several launch shapes (rows per iteration, stages, a grid smaller than the row blocks).
 g = torch.Generator().manual_seed(seed)
 for H, n, slots, cfg in [(40, 5, 1, addnorm.LaunchConfig(2, 3, 4)), (96, 9, 2, addnorm.LaunchConfig(4, 2, 4)),
-                         (24, 3, 0, addnorm.LaunchConfig(1, 1, 4))]:
+                         (24, 3, 0, addnorm.LaunchConfig(1, 1, 4)), (40, 5, 1, addnorm.LaunchConfig(2, 1, 4, True)),
+                         (96, 9, 3, addnorm.LaunchConfig(4, 1, 4, True)), (24, 3, 0, addnorm.LaunchConfig(1, 1, 4, True))]:
     x = torch.randn(n + 2, H, generator=g).to(torch.bfloat16)[1:n + 1]
     recv = torch.randn(slots, n + 3, H, generator=g).to(torch.bfloat16) if slots else None
     res = torch.randn(n, H, generator=g).to(torch.bfloat16)

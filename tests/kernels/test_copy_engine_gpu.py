@@ -321,3 +321,32 @@ def _main() -> None:
 
 if __name__ == "__main__":
     _main()
+
+
+@pytest.mark.parametrize("cfg", [None, ce.addnorm.LaunchConfig(2, 1, 16, True), ce.addnorm.LaunchConfig(1, 1, 8, True),
+                                 ce.addnorm.LaunchConfig(4, 1, 16, True)], ids=["default", "pf_r2w16", "pf_r1w8", "pf_r4w16"])
+@pytest.mark.parametrize("slots,H", [(1, 4096), (3, 3000)])
+def test_addnorm_kernel_shapes_match_the_torch_path(cfg, slots, H, seed):
+    """The add+norm kernel (pipelined default and register-prefetched shapes) against its torch
+    path on the same inputs, poisoned outputs, a grid smaller than the row blocks."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n = 1001
+    x = torch.randn(n, H, device="cuda", generator=g).to(torch.bfloat16)
+    recv = torch.randn(slots, n + 7, H, device="cuda", generator=g).to(torch.bfloat16)
+    res = torch.randn(n, H, device="cuda", generator=g).to(torch.bfloat16)
+    bias = torch.randn(H, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.randn(H, device="cuda", generator=g).to(torch.bfloat16)
+    outs = []
+    for force in (False, True):
+        normed = torch.full((n, H), float("nan"), device="cuda", dtype=torch.bfloat16)
+        res_out = torch.full((n + 3, H), float("nan"), device="cuda", dtype=torch.bfloat16)
+        ce.addnorm.add_rmsnorm_rows(x, recv, res, bias, w, None, normed, res_out, n_valid=n, eps=1e-5,
+                                    mid_dtype=None, weight_offset=0.0, num_ctas=8, config=cfg, force_torch=force)
+        outs.append((normed, res_out))
+    _sync()
+    (kn, kr), (tn, tr) = outs
+    assert not torch.isnan(kn).any() and not torch.isnan(kr).any()
+    # fp32 sums in another order, then one rounding to bf16: at most an ulp apart
+    torch.testing.assert_close(kr.float(), tr.float(), **TOL[torch.bfloat16])
+    torch.testing.assert_close(kn.float(), tn.float(), **TOL[torch.bfloat16])
+    assert torch.all(kr[n:] == 0)

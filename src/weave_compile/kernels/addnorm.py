@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 from .common import HAS_TRITON, MAX_HIDDEN, interpreting, next_pow2, tl, tl_dtype, triton
 
 if HAS_TRITON:
-    from .rownorm import add_norm, norm_params, store_residual_shard
+    from .rownorm import add_norm, norm_params, norm_tile, store_residual_shard
 
 
 
@@ -40,16 +40,21 @@ class LaunchConfig:
     block_rows: int
     num_stages: int
     num_warps: int
+    # the next row block's loads go to registers before this block's math (num_stages unused)
+    prefetch: bool = False
 
 
 def launch_config(hidden: int, block_rows: Optional[int] = None, num_stages: Optional[int] = None,
-                  num_warps: Optional[int] = None) -> LaunchConfig:
+                  num_warps: Optional[int] = None, prefetch: Optional[bool] = None) -> LaunchConfig:
     """Rows per iteration, pipeline depth and warps for ``hidden``; any argument given overrides.
 
-    Default: a 16K-element tile (4 rows at H=4096, 2 at 8192), 3 pipeline stages, 16 warps up to
-    H=4096 and 8 above: the fastest of 12 shapes at 8 CTAs in ``bench_comm_ce.py``'s sweep (one
-    H200, 2026-12-01, ``results/comm_per_cta_ce.csv``): 61 GB/s per CTA at H=4096, 65 at 8192. A
-    shape whose pipeline does not fit in shared memory is retried with fewer stages (launcher).
+    Default: the pipelined loop on a 16K-element tile (4 rows at H=4096, 2 at 8192), 3 stages, 16
+    warps up to H=4096 and 8 above: the fastest of 12 pipelined shapes at 8 CTAs in
+    ``bench_comm_ce.py``'s sweep (one H200, 2026-12-01, ``results/comm_per_cta_ce.csv``): 61 GB/s
+    per CTA at H=4096, 65 at 8192.  ``prefetch=True`` is the register-prefetched loop the push
+    kernel measured faster (benchmarks/NOTES.md, session 5); it is measured here by the same
+    sweep before it may become the default.  A pipelined shape that does not fit in shared
+    memory is retried with fewer stages (launcher).
     """
     block_h = next_pow2(hidden)
     if block_rows is None:
@@ -58,7 +63,7 @@ def launch_config(hidden: int, block_rows: Optional[int] = None, num_stages: Opt
         num_stages = 3
     if num_warps is None:
         num_warps = 16 if block_h <= 4096 else 8
-    return LaunchConfig(int(block_rows), int(num_stages), int(num_warps))
+    return LaunchConfig(int(block_rows), int(num_stages), int(num_warps), bool(prefetch))
 
 
 def check_hidden(hidden: int) -> Optional[str]:
@@ -92,6 +97,41 @@ if HAS_TRITON:
         tl.store(NORMED + rows[:, None] * stride_normed_row + cols[None, :], normed, mask=m)
 
     @triton.jit
+    def _block_loads(X, RECV, RES_IN, blk, n_valid, stride_x_row, stride_recv_slot, stride_res_in_row,
+                     cols, cmask, NUM_SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr, HIDDEN: tl.constexpr,
+                     BLOCK_ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+        """Row block ``blk``'s inputs as loaded: x [R, BLOCK_H], the slots as one
+        [SLOTS_P2, R, BLOCK_H] tile (padding masked), the residual (a placeholder without one)."""
+        rows = (blk * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+        m = (rows < n_valid)[:, None] & cmask[None, :]
+        x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=m, other=0.0)
+        k = tl.arange(0, SLOTS_P2)
+        recv = tl.load(RECV + k[:, None, None] * stride_recv_slot + rows[None, :, None] * HIDDEN
+                       + cols[None, None, :], mask=(k < NUM_SLOTS)[:, None, None] & m[None, :, :], other=0.0)
+        if HAS_RESIDUAL:
+            res = tl.load(RES_IN + rows[:, None] * stride_res_in_row + cols[None, :], mask=m, other=0.0)
+        else:
+            res = tl.zeros((1,), dtype=tl.float32)
+        return x, recv, res
+
+    @triton.jit
+    def _block_finish(x, recv, res_in, NORMED, RES_OUT, blk, n_valid, n_res_rows, stride_normed_row,
+                      stride_res_out_row, eps, w, b, s, cols, cmask, BLOCK_ROWS: tl.constexpr,
+                      HIDDEN: tl.constexpr, RES_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                      MID_DTYPE: tl.constexpr, HAS_MID: tl.constexpr, HAS_SCALE: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+        """The math and stores of a row block whose inputs :func:`_block_loads` loaded."""
+        rows = (blk * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+        m = (rows < n_valid)[:, None] & cmask[None, :]
+        acc = x.to(tl.float32) + tl.sum(recv.to(tl.float32), axis=0)
+        if HAS_SCALE:
+            acc = acc * s
+        res, normed = norm_tile(acc, res_in, b, w, eps, HIDDEN, RES_DTYPE, OUT_DTYPE, MID_DTYPE, HAS_BIAS,
+                                HAS_RESIDUAL, HAS_WEIGHT, HAS_MID)
+        store_residual_shard(RES_OUT, rows, res, m, cmask, cols, n_res_rows, stride_res_out_row)
+        tl.store(NORMED + rows[:, None] * stride_normed_row + cols[None, :], normed, mask=m)
+
+    @triton.jit
     def _add_rmsnorm_rows_kernel(
         X, RECV, RES_IN, BIAS, WEIGHT, SCALE, NORMED, RES_OUT,
         n_valid, n_res_rows, stride_x_row, stride_recv_slot, stride_res_in_row, stride_normed_row,
@@ -99,7 +139,8 @@ if HAS_TRITON:
         NUM_SLOTS: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_ROWS: tl.constexpr,
         NUM_STAGES: tl.constexpr, RES_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, MID_DTYPE: tl.constexpr,
         HAS_MID: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-        HAS_WEIGHT: tl.constexpr, INTERPRET: tl.constexpr,
+        HAS_WEIGHT: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr = False,
+        SLOTS_P2: tl.constexpr = 1,
     ):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
@@ -111,7 +152,25 @@ if HAS_TRITON:
         if HAS_SCALE:
             s = tl.load(SCALE).to(tl.float32)
         num_blocks = (n_res_rows + BLOCK_ROWS - 1) // BLOCK_ROWS
-        if INTERPRET:
+        if PREFETCH:
+            # Registers double-buffered: block blk + nprog's loads are issued before block blk's
+            # math and stores (no shared-memory staging, no per-stage wait and barrier).
+            nx, nrecv, nres = _block_loads(X, RECV, RES_IN, pid, n_valid, stride_x_row, stride_recv_slot,
+                                           stride_res_in_row, cols, cmask, NUM_SLOTS, SLOTS_P2, HIDDEN,
+                                           BLOCK_ROWS, HAS_RESIDUAL)
+            blk = pid
+            while blk < num_blocks:  # a while loop: the interpreter runs it too
+                cx = nx
+                crecv = nrecv
+                cres = nres
+                nx, nrecv, nres = _block_loads(X, RECV, RES_IN, blk + nprog, n_valid, stride_x_row,
+                                               stride_recv_slot, stride_res_in_row, cols, cmask, NUM_SLOTS,
+                                               SLOTS_P2, HIDDEN, BLOCK_ROWS, HAS_RESIDUAL)
+                _block_finish(cx, crecv, cres, NORMED, RES_OUT, blk, n_valid, n_res_rows, stride_normed_row,
+                              stride_res_out_row, eps, w, b, s, cols, cmask, BLOCK_ROWS, HIDDEN, RES_DTYPE,
+                              OUT_DTYPE, MID_DTYPE, HAS_MID, HAS_SCALE, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT)
+                blk += nprog
+        elif INTERPRET:
             # Triton 3.6's interpreter cannot take runtime bounds in tl.range (numpy >= 2): same body.
             blk = pid
             while blk < num_blocks:
@@ -188,7 +247,7 @@ def add_rmsnorm_rows(
             return _launch(x, recv, residual, bias, weight, scale, normed, res_out, n_valid, n_res_rows, eps,
                            mid_dtype, weight_offset, num_ctas, cfg, slots, preload=preload)
         except triton.runtime.errors.OutOfResources as e:
-            if cfg.num_stages <= 1:
+            if cfg.num_stages <= 1 or cfg.prefetch:
                 raise
             smaller = LaunchConfig(cfg.block_rows, cfg.num_stages - 1, cfg.num_warps)
             log.info("add+norm shape %s does not fit (%s); retrying with %s", cfg, e, smaller)
@@ -216,7 +275,7 @@ def _launch(x, recv, residual, bias, weight, scale, normed, res_out, n_valid, n_
         MID_DTYPE=tl_dtype(mid_dtype if mid_dtype is not None else torch.float32),
         HAS_MID=mid_dtype is not None, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, INTERPRET=interpreting(),
-        num_warps=cfg.num_warps, num_stages=1, **({"grid": (grid,)} if preload else {}))
+        PREFETCH=bool(cfg.prefetch), SLOTS_P2=next_pow2(max(1, slots)), num_warps=cfg.num_warps, num_stages=1, **({"grid": (grid,)} if preload else {}))
     if preload and hasattr(compiled, "_init_handles"):
         compiled._init_handles()  # cuModuleLoadData + cuModuleGetFunction now, not at the launch
 
