@@ -288,3 +288,21 @@ def test_a_grown_workspace_keeps_the_old_one_alive_and_grows_geometrically(monke
     assert second is not first and ce._RETIRED == [first]
     assert second.capacity >= 1.5 * first.capacity
     assert len(made) == 2
+
+
+def test_addnorm_default_shapes():
+    """The measured defaults (bench_comm_ce.py, one H200): the prefetched loop with 16 warps on
+    8K-element tiles where two tiles of inputs fit the registers, else the pipelined loop."""
+    from weave_compile.kernels.common import next_pow2, prefetch_fits
+
+    assert addnorm.launch_config(4096, slots=1) == addnorm.LaunchConfig(2, 1, 16, True)
+    assert addnorm.launch_config(8192, slots=1) == addnorm.LaunchConfig(1, 1, 16, True)
+    assert addnorm.launch_config(4096, slots=1, elem_bytes=4) == addnorm.LaunchConfig(4, 3, 16, False)
+    assert not addnorm.launch_config(4096, slots=3).prefetch
+    for H in (64, 1000, 2048, 4096, 5120, 8192, 16384):
+        for slots in (0, 1, 2, 3, 7):
+            for nbytes in (2, 4):
+                c = addnorm.launch_config(H, slots=slots, elem_bytes=nbytes)
+                if c.prefetch:
+                    e = c.block_rows * next_pow2(H) // (32 * c.num_warps)
+                    assert e >= 1 and prefetch_fits(2 + next_pow2(max(1, slots)), e, nbytes, c.num_warps)

@@ -27,7 +27,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-from .common import HAS_TRITON, MAX_HIDDEN, interpreting, next_pow2, tl, tl_dtype, triton
+from .common import HAS_TRITON, MAX_HIDDEN, interpreting, next_pow2, prefetch_fits, tl, tl_dtype, triton
 
 if HAS_TRITON:
     from .rownorm import add_norm, norm_params, norm_tile, store_residual_shard
@@ -45,18 +45,30 @@ class LaunchConfig:
 
 
 def launch_config(hidden: int, block_rows: Optional[int] = None, num_stages: Optional[int] = None,
-                  num_warps: Optional[int] = None, prefetch: Optional[bool] = None) -> LaunchConfig:
-    """Rows per iteration, pipeline depth and warps for ``hidden``; any argument given overrides.
+                  num_warps: Optional[int] = None, prefetch: Optional[bool] = None, *, slots: int = 1,
+                  elem_bytes: int = 2) -> LaunchConfig:
+    """Rows per iteration, loop kind, pipeline depth and warps for ``hidden`` (``slots``
+    received partials, ``elem_bytes`` the widest input); any argument given overrides.
 
-    Default: the pipelined loop on a 16K-element tile (4 rows at H=4096, 2 at 8192), 3 stages, 16
-    warps up to H=4096 and 8 above: the fastest of 12 pipelined shapes at 8 CTAs in
-    ``bench_comm_ce.py``'s sweep (one H200, 2026-12-01, ``results/comm_per_cta_ce.csv``): 61 GB/s
-    per CTA at H=4096, 65 at 8192.  ``prefetch=True`` is the register-prefetched loop the push
-    kernel measured faster (benchmarks/NOTES.md, session 5); it is measured here by the same
-    sweep before it may become the default.  A pipelined shape that does not fit in shared
-    memory is retried with fewer stages (launcher).
+    Default: the register-prefetched loop on an 8K-element tile (2 rows at H=4096, 1 at 8192) with
+    16 warps, where two tiles of its inputs fit the registers
+    (:func:`weave_compile.kernels.common.prefetch_fits`): on one H200 at 8 CTAs, 2 slots' worth of
+    bf16 (``bench_comm_ce.py``, session 5, ``results/comm_per_cta_ce.csv``) it moves 69.6 GB/s
+    per CTA at H=4096 and 76.1 at 8192, against 60.6 and 64.7 for the best of 12 pipelined shapes.
+    Elsewhere the pipelined loop on a 16K-element tile, 3 stages, 16 warps up to H=4096 and 8
+    above (that sweep's best); a pipelined shape that does not fit in shared memory is retried
+    with fewer stages (launcher).
     """
     block_h = next_pow2(hidden)
+    if prefetch is None:
+        rows = block_rows or max(1, min(8, 8192 // block_h))
+        warps = num_warps or max(1, min(16, rows * block_h // 128))  # >= 4 elements per thread
+        e = rows * block_h // (32 * warps)
+        prefetch = e >= 1 and prefetch_fits(2 + next_pow2(max(1, slots)), e, elem_bytes, warps)
+    if prefetch:
+        block_rows = block_rows or max(1, min(8, 8192 // block_h))
+        num_stages = num_stages or 1
+        num_warps = num_warps or max(1, min(16, block_rows * block_h // 128))
     if block_rows is None:
         block_rows = max(1, min(8, 16384 // block_h))
     if num_stages is None:
@@ -233,8 +245,9 @@ def add_rmsnorm_rows(
         _add_rmsnorm_rows_torch(x, recv, residual, bias, weight, scale, normed, res_out, n_valid=n_valid,
                                 eps=eps, mid_dtype=mid_dtype, weight_offset=weight_offset)
         return
-    cfg = config or launch_config(hidden)
     slots = 0 if recv is None else recv.shape[0]
+    widest = max(t.element_size() for t in (x, residual, recv) if t is not None)
+    cfg = config or launch_config(hidden, slots=slots, elem_bytes=widest)
     if recv is not None and (recv.stride(-1) != 1 or recv.stride(-2) != hidden):
         raise ValueError("add_rmsnorm_rows: recv slots must hold contiguous rows")
     for name, t in (("x", x), ("residual", residual), ("normed", normed), ("res_out", res_out)):

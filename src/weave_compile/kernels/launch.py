@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from .common import (DEFAULT_COMM_CTAS, HAS_TRITON, MAX_CTAS, SUPPORTED_DTYPES, interpreting,
-                     next_pow2, prev_pow2, spin_limit, tl_dtype, vector_width)
+                     next_pow2, prefetch_fits, prev_pow2, spin_limit, tl_dtype, vector_width)
 from .pull import pull_allreduce_rmsnorm_kernel
 from .push import push_allreduce_rmsnorm_kernel
 from .select import SYMM_KERNELS, check_hidden
@@ -90,9 +90,8 @@ def _prefetch_shape(hidden: int, rows_per_rank: int, comm_ctas: int, world_size:
     (benchmarks/NOTES.md, session 5): E = 16 (16 warps; 2 rows at H=4096, 1 at 8192) is the
     fastest whole op at 8 and 32 CTAs (E = 32 with 8 warps won a standalone add+norm probe but
     lost in the kernel), and shapes beyond the register file spill (10-20x slower).  So: the
-    largest E <= 16 whose registers fit, by a model (two buffers of packed inputs + ~2 fp32
-    values per element + 40 <= the registers a thread gets at that warp count), then the
-    biggest tile, then the fewest warps.  With the output left in the ring (``ring``) the
+    largest E <= 16 whose registers fit (:func:`weave_compile.kernels.common.prefetch_fits`),
+    then the biggest tile, then the fewest warps.  With the output left in the ring (``ring``) the
     measured optimum is E = 32 (8 warps: whole op 441 vs 549 us at H=4096, 853 vs 976 at 8192,
     8 CTAs; at 32 CTAs 161 vs 186 and 308 vs 298), so the cap is 32 there.  Only 2-rank bf16
     shapes are measured; for the others the model only keeps the shape inside the register file.
@@ -106,8 +105,7 @@ def _prefetch_shape(hidden: int, rows_per_rank: int, comm_ctas: int, world_size:
             continue
         for warps in (1, 2, 4, 8, 16, 32):
             e = rows * block_h // (32 * warps)
-            regs = 2 * inputs * e * max(in_bytes, res_bytes) / 4 + 2 * e + 40
-            if 1 <= e <= cap and regs <= min(255, 65536 // (32 * warps)):
+            if 1 <= e <= cap and prefetch_fits(inputs, e, max(in_bytes, res_bytes), warps):
                 key = (e, rows, -warps)  # most per thread, then the biggest tile, then fewest warps
                 if best is None or key > best[0]:
                     best = (key, rows, warps)
