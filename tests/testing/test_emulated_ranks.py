@@ -1,9 +1,10 @@
 """Tests for testing/emulated_ranks.py: pointer tables, and the push kernel through it on the CPU.
 
 Under ``TRITON_INTERPRET=1`` (a subprocess running this file as a script) the push kernel runs
-for 2 and 3 emulated ranks, one phase of every rank at a time, and is compared with the
-float64 oracle; outputs and regions are NaN-poisoned first. Every case runs twice: with fresh
-outputs, and with the normed output left in a slot of the output ring (``out_slot``), where the
+for 2, 3 and 4 emulated ranks, one phase of every rank at a time, and is compared with the
+float64 oracle; outputs and regions are NaN-poisoned first. Every case runs with fresh outputs
+(in the default launch shape, the pipelined add+norm loop and the prefetched one with 1-row
+tiles unrolled twice), and with the normed output left in a slot of the output ring (``out_slot``), where the
 result must be the ring view itself and the other ring slots (the staging slot 0 included) must
 stay untouched. The GPU runs (concurrent ranks,
 real barriers) are in tests/kernels/test_push.py.
@@ -55,7 +56,7 @@ def test_pointer_tables_list_every_ranks_regions_and_pads():
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])  # 4: the peers' tile of the prefetch loop is padded (3 -> 4)
 def test_push_kernel_through_emulated_ranks_in_cpu_interpreter(world):
     env = dict(os.environ, TRITON_INTERPRET="1")
     rc, out = run_script(THIS_FILE, ["--world", str(world)], timeout=600, env=env)
@@ -63,11 +64,32 @@ def test_push_kernel_through_emulated_ranks_in_cpu_interpreter(world):
     assert "EMULATED-PUSH OK" in out, out[-8000:]
 
 
+def _shapes(c, world: int, out_slot: int, dt, rdt):
+    """(name, launch meta) to run a case with: the default (the register-prefetched add+norm where
+    it fits), and with fresh outputs also the pipelined add+norm loop and the prefetched one
+    with two tiles per iteration (NORM_UNROLL=2)."""
+    import dataclasses
+
+    from weave_compile.kernels import launch
+
+    yield "default", None
+    if out_slot < 0:
+        S = math.ceil(c["T"] / world)
+        args = (c["H"], S, c["ctas"], world, dt.itemsize, rdt.itemsize)
+        yield "pipelined", launch.push_pipelined_meta(*args)
+        # 1-row tiles: several unrolled iterations per CTA, so a wrong next-tile offset shows
+        yield "prefetch_unroll2", dataclasses.replace(launch.push_meta(*args), block_rows=1, norm_unroll=2,
+                                                      norm_prefetch=True)
+
+
 def _main(world: int) -> int:
     torch.set_num_threads(1)
     fails = 0
     ring_slots = range(1, OUT_RING_SLOTS)  # slot 0 is the copying launches' staging
-    for c, out_slot in [(c, s) for k, c in enumerate(CASES) for s in (-1, ring_slots[k % len(ring_slots)])]:
+    runs = [(c, s, shape) for k, c in enumerate(CASES) for s in (-1, ring_slots[k % len(ring_slots)])
+            for shape in _shapes(c, world, s, DTYPES[c["dtype"]],
+                                 DTYPES[c["res_dtype"]] if c["res_dtype"] else DTYPES[c["dtype"]])]
+    for c, out_slot, (shape, meta) in runs:
         xs, residual, bias, weight = make_inputs(c, world, "cpu")
         dt = xs[0].dtype
         rdt = DTYPES[c["res_dtype"]] if c["res_dtype"] else dt
@@ -87,7 +109,7 @@ def _main(world: int) -> int:
                                       residual_in_sharded=in_sh, comm_ctas=c["ctas"],
                                       mid_dtype=DTYPES[c["mid"]] if c["mid"] else None,
                                       weight_offset=c["woff"], out_slot=out_slot,
-                                      outputs=None if out_slot >= 0 else outputs)
+                                      outputs=None if out_slot >= 0 else outputs, meta=meta)
         ref_n, ref_r = reference(c, xs, residual, bias, weight)
         for r, (n, ro) in enumerate(outs):
             ok, en, er, msg = check_outputs(c, world, r, n, ro, ref_n, ref_r)
@@ -98,8 +120,8 @@ def _main(world: int) -> int:
                     ok, msg = False, f"normed is not ring slot {out_slot}"
                 elif written:  # no staging copy, no stray store
                     ok, msg = False, f"ring slot(s) {written} written"
-            print(f"[rank {r}] {case_name(c):60s} out_slot={out_slot:2d} {'ok' if ok else 'FAIL'} {msg}",
-                  flush=True)
+            print(f"[rank {r}] {case_name(c):60s} out_slot={out_slot:2d} {shape:16s} "
+                  f"{'ok' if ok else 'FAIL'} {msg}", flush=True)
             fails += not ok
     print("EMULATED-PUSH OK" if fails == 0 else f"{fails} failures")
     return 1 if fails else 0

@@ -100,3 +100,39 @@ def test_push_kernel_keeps_the_next_tile_in_registers_or_in_a_pipeline():
     assert "cp.async" in piped["ptx"] and piped["shared"] > 32 * 1024
     v1 = compile_variant_ptx("p2p_pull", torch.bfloat16, 4096)
     assert "cp.async" not in v1
+
+
+def _ptxas_spills(ptx: str) -> list[tuple[int, int]]:
+    """(spill store bytes, spill load bytes) per function, from Triton's bundled ptxas -v."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("Triton's bundled ptxas not found")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    found = [(int(a), int(b)) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads",
+                                                   out.stdout + out.stderr)]
+    assert found, (out.stdout + out.stderr)[-2000:]
+    return found
+
+
+@requires_triton
+@pytest.mark.parametrize("world,hidden,dtype,ring", [
+    (2, 4096, torch.bfloat16, False), (2, 4096, torch.bfloat16, True), (2, 8192, torch.bfloat16, False),
+    (3, 4096, torch.bfloat16, True), (8, 4096, torch.bfloat16, False), (2, 4096, torch.float32, False)])
+def test_default_push_shapes_do_not_spill(world, hidden, dtype, ring):
+    """The register model (common.prefetch_fits) picks shapes ptxas fits without spilling: shapes
+    over the register file measured 10-20x slower (benchmarks/NOTES.md, session 5)."""
+    ptx = compile_variant_ptx("p2p", dtype, hidden, world_size=world, out_in_region=ring,
+                              rows_per_rank=(1 << 20) // world, comm_ctas=8)
+    assert all(s == (0, 0) for s in _ptxas_spills(ptx))

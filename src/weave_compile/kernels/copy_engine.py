@@ -215,7 +215,9 @@ def emulated_workspaces(world_size: int, capacity: int, hidden: int, dtypes: tup
 
 
 _WORKSPACES: dict[tuple, CeWorkspace] = {}
-_RETIRED: list[CeWorkspace] = []  # replaced workspaces, kept alive (see get_workspace)
+#: Replaced workspaces, kept alive for the process (see get_workspace); with growth of at least
+#: 1.5x what is kept stays below about twice the final capacity.
+_RETIRED: list[CeWorkspace] = []
 
 
 def _allocate(group_name: str, device: torch.device, hidden: int, dtypes: tuple, capacity: int) -> CeWorkspace:

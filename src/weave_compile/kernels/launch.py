@@ -93,7 +93,8 @@ def _prefetch_shape(hidden: int, rows_per_rank: int, comm_ctas: int, world_size:
     largest E <= 16 whose registers fit (:func:`weave_compile.kernels.common.prefetch_fits`),
     then the biggest tile, then the fewest warps.  With the output left in the ring (``ring``) the
     measured optimum is E = 32 (8 warps: whole op 441 vs 549 us at H=4096, 853 vs 976 at 8192,
-    8 CTAs; at 32 CTAs 161 vs 186 and 308 vs 298), so the cap is 32 there.  Only 2-rank bf16
+    8 CTAs; at 32 CTAs 161 vs 186, but 308 vs 298 at H=8192: the one point where it loses), so
+    the cap is 32 there.  Only 2-rank bf16
     shapes are measured; for the others the model only keeps the shape inside the register file.
     """
     cap = 32 if ring else 16
@@ -123,7 +124,8 @@ def push_meta(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
     than 4 unpipelined rows, benchmarks/NOTES.md).  Add+norm: the next tile's inputs are loaded
     into registers while this one is reduced and stored (``norm_prefetch``, shape from
     :func:`_prefetch_shape`: 16 warps and 2-row tiles at H=4096 for 2 bf16 ranks; measured
-    70 GB/s per CTA at 8 CTAs against 54 for the pipelined loop, the whole op 29% faster);
+    70 GB/s per CTA at 8 CTAs against 54 for the pipelined loop, the whole op 28% faster at 8
+    CTAs and 13% at 32, H=4096);
     where no such shape fits
     the registers (many ranks with wide dtypes), or ``num_warps`` is forced, the
     :func:`push_pipelined_meta` shape.  Never more tiles per iteration than the shard gives a

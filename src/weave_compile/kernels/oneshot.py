@@ -388,7 +388,9 @@ def workspace_from_buffers(buffers: list[torch.Tensor], rank: int, *, hidden: in
 
 
 _WORKSPACES: dict[tuple, OneShotWorkspace] = {}
-_RETIRED: list[OneShotWorkspace] = []  # replaced workspaces, kept alive (see get_workspace)
+#: Replaced workspaces, kept alive for the process (see get_workspace); with growth of at least
+#: 1.5x what is kept stays below about twice the final capacity.
+_RETIRED: list[OneShotWorkspace] = []
 
 
 def _allocate(group_name: str, device: torch.device, hidden: int, in_dtype: torch.dtype, res_dtype: torch.dtype,

@@ -28,9 +28,14 @@ Bytes in flight, not the hardware, set the bandwidth one SM reaches (DESIGN.md s
 8 KB row in flight per CTA moves 34-39 GB/s, four rows 86-91 GB/s).  So every phase keeps
 several tiles of ``BLOCK_ROWS`` rows in flight per CTA: the copy phases load ``COPY_UNROLL``
 tiles (one grid-stride iteration unrolled: the same rows per CTA) before storing them, and the
-add+norm loop is a ``tl.range`` software pipeline of ``NORM_STAGES`` stages (Triton stages its
-loads in shared memory), so few CTAs carry the traffic.  Both loop kinds take both knobs;
-:func:`weave_compile.kernels.launch.push_meta` picks the shape.
+add+norm loop (``NORM_PREFETCH``, the default) loads the next tile's inputs into registers
+before this tile's math and stores, so few CTAs carry the traffic.  Where that does not fit
+the registers the add+norm loop is a ``tl.range`` software pipeline of ``NORM_STAGES`` stages
+instead (Triton stages its loads in shared memory; slower: benchmarks/NOTES.md, session 5).
+:func:`weave_compile.kernels.launch.push_meta` picks the shape.  The two add+norm loops sum the
+peers' partials in different orders (``x + sum(peers)`` vs one at a time): bit-identical with
+bf16 inputs at 2-4 ranks (checked in the CPU interpreter), an fp32 ulp apart in places with fp32
+inputs and 3+ ranks.
 
 ``PHASES`` (bitmask 1|2|4) and ``SYNC`` are measurement and simulation hooks: the per-CTA
 benchmark leaves phases out (barriers kept, so the pads still pair up), and the one-process CPU

@@ -1,11 +1,14 @@
 """The one add + RMSNorm device body every all-reduce kernel of this package runs on its rows.
 
-Given the fp32 all-reduced sum of a [BLOCK_ROWS, BLOCK_H] tile, :func:`add_norm` adds the bias
+Given the fp32 all-reduced sum of a [BLOCK_ROWS, BLOCK_H] tile, :func:`norm_tile` adds the bias
 and the residual, rounds to the residual dtype (that rounded value *is* the new residual, as
 in the unfused model), RMS-normalises in fp32 registers, optionally rounds to ``MID_DTYPE``
 (Hugging Face Llama normalises in fp32 and casts before the weight) and applies the weight
-(``weight + weight_offset``: Gemma's ``1 + w``).  Keeping one body means the push and pull
-kernels cannot drift apart numerically.
+(``weight + weight_offset``: Gemma's ``1 + w``); :func:`add_norm` is :func:`load_residual` then
+:func:`norm_tile` (the prefetching loops load the residual a tile ahead and call
+:func:`norm_tile` themselves).  Keeping one body means the kernels cannot drift apart in the
+add+norm; how a kernel sums the ranks' partials before it (the order of the fp32 adds) is the
+kernel's own.
 """
 
 from __future__ import annotations
