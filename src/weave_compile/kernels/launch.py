@@ -94,8 +94,8 @@ def _prefetch_shape(hidden: int, rows_per_rank: int, comm_ctas: int, world_size:
     then the biggest tile, then the fewest warps.  With the output left in the ring (``ring``) the
     measured optimum is E = 32 (8 warps: whole op 441 vs 549 us at H=4096, 853 vs 976 at 8192,
     8 CTAs; at 32 CTAs 161 vs 186, but 308 vs 298 at H=8192: the one point where it loses), so
-    the cap is 32 there.  Only 2-rank bf16
-    shapes are measured; for the others the model only keeps the shape inside the register file.
+    the cap is 32 there.  Only 2-rank bf16 shapes are measured; for the others the model only
+    keeps the shape inside the register file.
     """
     cap = 32 if ring else 16
     block_h = next_pow2(hidden)
@@ -125,10 +125,8 @@ def push_meta(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
     into registers while this one is reduced and stored (``norm_prefetch``, shape from
     :func:`_prefetch_shape`: 16 warps and 2-row tiles at H=4096 for 2 bf16 ranks; measured
     70 GB/s per CTA at 8 CTAs against 54 for the pipelined loop, the whole op 28% faster at 8
-    CTAs and 13% at 32, H=4096);
-    where no such shape fits
-    the registers (many ranks with wide dtypes), or ``num_warps`` is forced, the
-    :func:`push_pipelined_meta` shape.  Never more tiles per iteration than the shard gives a
+    CTAs and 13% at 32, H=4096); where no such shape fits the registers (many ranks with wide
+    dtypes), or ``num_warps`` is forced, the :func:`push_pipelined_meta` shape.  Never more tiles per iteration than the shard gives a
     CTA.  ``ring``: the launch leaves its normed output in the ring (``out_slot``), which
     measured fastest with a different shape (see :func:`_prefetch_shape`); every rank passes the
     same, as every rank compiles the same graph."""
@@ -140,11 +138,16 @@ def push_meta(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
     block_rows, warps = shape
     block_h, block_rows, warps, grid = _warps_and_rows(hidden, rows_per_rank, comm_ctas, block_rows,
                                                        warps)
-    elems = block_rows * block_h
+    return LaunchMeta(block_h, block_rows, warps, grid, norm_prefetch=True,
+                      copy_unroll=_copy_unroll(block_h, block_rows, grid, rows_per_rank, in_bytes, res_bytes))
+
+
+def _copy_unroll(block_h: int, block_rows: int, grid: int, rows_per_rank: int, in_bytes: int,
+                 res_bytes: int) -> int:
+    """Tiles per copy iteration: ~64 KB in flight per CTA, never more than the shard gives it."""
     tiles_per_cta = max(1, math.ceil(rows_per_rank / (grid * block_rows)))
-    copy_unroll = max(1, min(8, prev_pow2(_COPY_IN_FLIGHT // (elems * max(in_bytes, res_bytes))),
-                             prev_pow2(tiles_per_cta)))
-    return LaunchMeta(block_h, block_rows, warps, grid, copy_unroll=copy_unroll, norm_prefetch=True)
+    return max(1, min(8, prev_pow2(_COPY_IN_FLIGHT // (block_rows * block_h * max(in_bytes, res_bytes))),
+                      prev_pow2(tiles_per_cta)))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -156,14 +159,10 @@ def push_pipelined_meta(hidden: int, rows_per_rank: int, comm_ctas: int, world_s
     residual)."""
     block_h, block_rows, num_warps, grid = _warps_and_rows(
         hidden, rows_per_rank, comm_ctas, max(1, min(8, 8192 // next_pow2(hidden))), num_warps)
-    elems = block_rows * block_h
-    tiles_per_cta = max(1, math.ceil(rows_per_rank / (grid * block_rows)))
-    copy_unroll = max(1, min(8, prev_pow2(_COPY_IN_FLIGHT // (elems * max(in_bytes, res_bytes))),
-                             prev_pow2(tiles_per_cta)))
-    norm_stage_bytes = elems * (world_size * in_bytes + res_bytes)
+    norm_stage_bytes = block_rows * block_h * (world_size * in_bytes + res_bytes)
     norm_stages = max(1, min(_MAX_NORM_STAGES, _SMEM_BUDGET // norm_stage_bytes))
-    return LaunchMeta(block_h, block_rows, num_warps, grid, copy_unroll=copy_unroll,
-                      norm_stages=norm_stages)
+    return LaunchMeta(block_h, block_rows, num_warps, grid, norm_stages=norm_stages,
+                      copy_unroll=_copy_unroll(block_h, block_rows, grid, rows_per_rank, in_bytes, res_bytes))
 
 
 def push_v1_meta(hidden: int, rows_per_rank: int, comm_ctas: int,
