@@ -60,15 +60,14 @@ def launch_config(hidden: int, block_rows: Optional[int] = None, num_stages: Opt
     with fewer stages (launcher).
     """
     block_h = next_pow2(hidden)
+    pf_rows = block_rows or max(1, min(8, 8192 // block_h))
+    pf_warps = num_warps or max(1, min(16, pf_rows * block_h // 128))  # >= 4 elements per thread
     if prefetch is None:
-        rows = block_rows or max(1, min(8, 8192 // block_h))
-        warps = num_warps or max(1, min(16, rows * block_h // 128))  # >= 4 elements per thread
-        e = rows * block_h // (32 * warps)
-        prefetch = e >= 1 and prefetch_fits(2 + next_pow2(max(1, slots)), e, elem_bytes, warps)
+        e = pf_rows * block_h // (32 * pf_warps)
+        prefetch = e >= 1 and prefetch_fits(2 + next_pow2(max(1, slots)), e, elem_bytes, pf_warps)
     if prefetch:
-        block_rows = block_rows or max(1, min(8, 8192 // block_h))
+        block_rows, num_warps = pf_rows, pf_warps
         num_stages = num_stages or 1
-        num_warps = num_warps or max(1, min(16, block_rows * block_h // 128))
     if block_rows is None:
         block_rows = max(1, min(8, 16384 // block_h))
     if num_stages is None:
@@ -246,8 +245,8 @@ def add_rmsnorm_rows(
                                 eps=eps, mid_dtype=mid_dtype, weight_offset=weight_offset)
         return
     slots = 0 if recv is None else recv.shape[0]
-    widest = max(t.element_size() for t in (x, residual, recv) if t is not None)
-    cfg = config or launch_config(hidden, slots=slots, elem_bytes=widest)
+    cfg = config or launch_config(hidden, slots=slots, elem_bytes=max(
+        t.element_size() for t in (x, residual, recv) if t is not None))
     if recv is not None and (recv.stride(-1) != 1 or recv.stride(-2) != hidden):
         raise ValueError("add_rmsnorm_rows: recv slots must hold contiguous rows")
     for name, t in (("x", x), ("residual", residual), ("normed", normed), ("res_out", res_out)):
