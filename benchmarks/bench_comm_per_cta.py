@@ -80,6 +80,7 @@ SWEEP = {  # the first entries time knobs of the copy phases, then of the pipeli
     "w8_all": (dict(num_warps=8, norm_prefetch=False), ("scatter", "reduce_norm", "gather", "all")),
     # the register-prefetched add+norm loop (push's default) at other warp counts / tile rows
     "pf_w4": (dict(num_warps=4), ("reduce_norm",)),
+    "pf_w8": (dict(num_warps=8), ("reduce_norm",)),
     "pf_w16": (dict(num_warps=16), ("reduce_norm",)),
     "pf_r1": (dict(block_rows=1), ("reduce_norm",)),
     "pf_w16_all": (dict(num_warps=16), ("scatter", "reduce_norm", "gather", "all")),

@@ -3,8 +3,8 @@
 Under ``TRITON_INTERPRET=1`` (a subprocess running this file as a script) the push kernel runs
 for 2, 3 and 4 emulated ranks, one phase of every rank at a time, and is compared with the
 float64 oracle; outputs and regions are NaN-poisoned first. Every case runs with fresh outputs
-(in the default launch shape, the pipelined add+norm loop and the prefetched one with 1-row
-tiles unrolled twice), and with the normed output left in a slot of the output ring (``out_slot``), where the
+(in the default launch shape, the same with 64-bit index arithmetic forced, the pipelined
+add+norm loop and the prefetched one with 1-row tiles unrolled twice), and with the normed output left in a slot of the output ring (``out_slot``), where the
 result must be the ring view itself and the other ring slots (the staging slot 0 included) must
 stay untouched. The GPU runs (concurrent ranks,
 real barriers) are in tests/kernels/test_push.py.
@@ -12,9 +12,11 @@ real barriers) are in tests/kernels/test_push.py.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -24,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(THIS_FILE))))
 
 from tests.kernels._symm_cases import (DTYPES, case_name, check_outputs, make_case,  # noqa: E402
                                        make_inputs, reference, run_script, shard_rows)
-from weave_compile.kernels import HAS_TRITON  # noqa: E402
+from weave_compile.kernels import HAS_TRITON, launch  # noqa: E402
 from weave_compile.kernels.common import OUT_RING_SLOTS  # noqa: E402
 from weave_compile.testing.emulated_ranks import EmulatedRanks, push_allreduce_rmsnorm  # noqa: E402
 
@@ -74,6 +76,9 @@ def _shapes(c, world: int, out_slot: int, dt, rdt):
 
     yield "default", None
     if out_slot < 0:
+        # the 64-bit index arithmetic (the launcher picks it only past 2**31 elements, which
+        # no CPU case reaches): forced, so both index widths are checked
+        yield "default_int64", None
         S = math.ceil(c["T"] / world)
         args = (c["H"], S, c["ctas"], world, dt.itemsize, rdt.itemsize)
         yield "pipelined", launch.push_pipelined_meta(*args)
@@ -105,11 +110,13 @@ def _main(world: int) -> int:
                    for _ in range(world)]
         res_in = [None if residual is None else (shard_rows(residual, world, r) if in_sh else residual)
                   for r in range(world)]
-        outs = push_allreduce_rmsnorm(ranks, xs, res_in, bias, weight, residual_out_sharded=out_sh,
-                                      residual_in_sharded=in_sh, comm_ctas=c["ctas"],
-                                      mid_dtype=DTYPES[c["mid"]] if c["mid"] else None,
-                                      weight_offset=c["woff"], out_slot=out_slot,
-                                      outputs=None if out_slot >= 0 else outputs, meta=meta)
+        with mock.patch.object(launch, "needs_int64", lambda *extents: True) if shape.endswith("int64") \
+                else contextlib.nullcontext():
+            outs = push_allreduce_rmsnorm(ranks, xs, res_in, bias, weight, residual_out_sharded=out_sh,
+                                          residual_in_sharded=in_sh, comm_ctas=c["ctas"],
+                                          mid_dtype=DTYPES[c["mid"]] if c["mid"] else None,
+                                          weight_offset=c["woff"], out_slot=out_slot,
+                                          outputs=None if out_slot >= 0 else outputs, meta=meta)
         ref_n, ref_r = reference(c, xs, residual, bias, weight)
         for r, (n, ro) in enumerate(outs):
             ok, en, er, msg = check_outputs(c, world, r, n, ro, ref_n, ref_r)

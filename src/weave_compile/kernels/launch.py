@@ -204,6 +204,17 @@ def push_constexprs(meta: LaunchMeta, **kw) -> dict:
                 PEERS_P2=next_pow2(max(1, int(kw["world_size"]) - 1)))
 
 
+def needs_int64(*extents: int) -> bool:
+    """Whether an element offset a kernel forms can reach 2**31 (an extent: the elements one
+    tensor or region spans from its base), so its index arithmetic must be 64-bit."""
+    return max(extents, default=0) >= 2 ** 31
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements a [rows, H] tensor spans from its base (its last row's end)."""
+    return (t.shape[0] - 1) * t.stride(0) + t.shape[-1] if t.shape[0] else 0
+
+
 def _norm_inputs(residual, bias, weight):
     if residual is not None and residual.stride(-1) != 1:
         residual = residual.contiguous()
@@ -277,7 +288,11 @@ def launch_push(ws: SymmWorkspace, x, residual, bias, weight, normed, residual_o
             x.stride(0), residual.stride(0) if residual is not None else 0,
             normed.stride(0), residual_out.stride(0), float(eps), float(weight_offset),
             max(out_slot, 0) * ws.capacity)
-    kwargs = dict(OUT_IN_REGION=out_slot >= 0, PHASES=int(phases), SYNC=bool(sync),
+    out_ring = getattr(ws, "out_ring", None)
+    region_rows = ws.capacity * (out_ring.shape[0] if out_ring is not None else 1)
+    idx64 = needs_int64(region_rows * H, *(_extent(t) for t in (x, residual, normed, residual_out)
+                                           if t is not None))
+    kwargs = dict(OUT_IN_REGION=out_slot >= 0, PHASES=int(phases), SYNC=bool(sync), IDX64=idx64,
                   num_warps=meta.num_warps, num_stages=1, **consts)
     if compile_only:  # compile (or find) the binary this launch would run, launch nothing
         push_allreduce_rmsnorm_kernel.warmup(*args, grid=(meta.grid,), **kwargs)

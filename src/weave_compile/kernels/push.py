@@ -60,17 +60,34 @@ if HAS_TRITON:
         return tl.multiple_of(ptr, 16)
 
     @triton.jit
+    def _peer_regions(PTR_TABLE, KIND: tl.constexpr, rank, DTYPE: tl.constexpr,
+                      WORLD_SIZE: tl.constexpr, PEERS_P2: tl.constexpr):
+        """Bases of region ``KIND`` of the N-1 peers (peer ``t`` is rank ``r + 1 + t``) as one
+        [PEERS_P2] pointer tensor, padding masked.  Loaded once before a loop: a table load
+        inside it is not hoisted (the loop's stores may alias the table, as far as the
+        compiler knows), and every store to a peer would wait on it."""
+        t = tl.arange(0, PEERS_P2)
+        if PEERS_P2 == WORLD_SIZE - 1:  # no padding: a constant mask the compiler drops
+            ok = tl.full(t.shape, 1, tl.int1)
+        else:
+            ok = t < WORLD_SIZE - 1
+        p = (rank + 1 + t) % WORLD_SIZE
+        ptr = tl.load(PTR_TABLE + KIND * WORLD_SIZE + p, mask=ok, other=0).to(tl.pointer_type(DTYPE))
+        return tl.multiple_of(ptr, 16), ok
+
+    @triton.jit
     def _copy_phase(SRC, stride_src, src_owner_rows: tl.constexpr, DST, stride_dst,
                     dst_owner_rows: tl.constexpr, src_base_row, dst_base_row, owner, pid, step,
                     rows_per_rank, num_tokens, cols, col_ok, BLOCK_ROWS: tl.constexpr,
-                    UNROLL: tl.constexpr, STAGES: tl.constexpr):
+                    UNROLL: tl.constexpr, STAGES: tl.constexpr, IDX64: tl.constexpr):
         """Copy ``owner``'s shard rows of this CTA: row ``j`` of ``SRC`` -> row ``j`` of ``DST``.
 
         A side indexed by global rows (``*_owner_rows`` true) is addressed at ``owner * S +
         j``; a slot side at ``*_base_row + j``.  ``UNROLL`` tiles per iteration are loaded
         before any is stored."""
         for j0 in tl.range(pid * BLOCK_ROWS, rows_per_rank, step * UNROLL, num_stages=STAGES):
-            j, rows, ok = shard_rows(j0, BLOCK_ROWS, owner, rows_per_rank, num_tokens, UNROLL, step)
+            j, rows, ok = shard_rows(j0, BLOCK_ROWS, owner, rows_per_rank, num_tokens, UNROLL, step,
+                                     IDX64)
             m = ok[:, None] & col_ok[None, :]
             if src_owner_rows:
                 s_row = rows
@@ -88,12 +105,13 @@ if HAS_TRITON:
                     rows_per_rank, num_tokens, step, cols, col_ok, HIDDEN: tl.constexpr,
                     BLOCK_ROWS: tl.constexpr, UNROLL: tl.constexpr, WORLD_SIZE: tl.constexpr,
                     PEERS_P2: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                    RESIDUAL_IN_SHARDED: tl.constexpr):
+                    RESIDUAL_IN_SHARDED: tl.constexpr, IDX64: tl.constexpr):
         """The add+norm inputs of the tile at ``j0``, as loaded (not yet converted): our partial
         sums [R, BLOCK_H], the N-1 partials peers pushed into our input slots as one
         [PEERS_P2, R, BLOCK_H] tile (peer ``t`` is rank ``r + 1 + t``; padding masked), and the
         residual (a placeholder without one).  Rows past the shard are masked (no traffic)."""
-        j, rows, ok = shard_rows(j0, BLOCK_ROWS, rank, rows_per_rank, num_tokens, UNROLL, step)
+        j, rows, ok = shard_rows(j0, BLOCK_ROWS, rank, rows_per_rank, num_tokens, UNROLL, step,
+                                 IDX64)
         m = ok[:, None] & col_ok[None, :]
         x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=m, other=0.0)
         t = tl.arange(0, PEERS_P2)
@@ -108,31 +126,30 @@ if HAS_TRITON:
         return x, parts, resid
 
     @triton.jit
-    def _norm_store(PTR_TABLE, NORMED, RESIDUAL_OUT, res, normed, j, rows, m, col_ok, cols, rank,
-                    slot_rows, rows_per_rank, stride_out_row, stride_res_out_row, out_ring_row,
-                    HIDDEN: tl.constexpr, WORLD_SIZE: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                    RES_DTYPE: tl.constexpr, RESIDUAL_OUT_SHARDED: tl.constexpr,
-                    OUT_IN_REGION: tl.constexpr):
+    def _norm_store(out_peers, res_peers, peer_ok, NORMED, RESIDUAL_OUT, res, normed, j, rows, m,
+                    col_ok, cols, rank, slot_rows, rows_per_rank, stride_out_row, stride_res_out_row,
+                    out_ring_row, HIDDEN: tl.constexpr, RESIDUAL_OUT_SHARDED: tl.constexpr,
+                    OUT_IN_REGION: tl.constexpr, HAS_BIAS: tl.constexpr):
         """Phase 2's stores of one tile: our residual and normed rows, and their pushes into slot
         ``[rank]`` of every peer's residual / output region (the global row of the ring slot
-        with ``OUT_IN_REGION``)."""
+        with ``OUT_IN_REGION``), one [PEERS_P2, R, BLOCK_H] store per region kind
+        (``out_peers``/``res_peers``/``peer_ok``: :func:`_peer_regions`, loaded before the loop)."""
         slot = (rank * slot_rows + j)[:, None] * HIDDEN + cols[None, :]
+        to_peers = peer_ok[:, None, None] & m[None, :, :]
         if RESIDUAL_OUT_SHARDED:
+            # Rows past T inside the shard are zero already without a bias (every input of
+            # theirs was loaded as 0); only a bias makes them non-zero.
             store_residual_shard(RESIDUAL_OUT, j, res, m, col_ok, cols, rows_per_rank,
-                                 stride_res_out_row)
+                                 stride_res_out_row, HAS_BIAS)
         else:
             tl.store(RESIDUAL_OUT + rows[:, None] * stride_res_out_row + cols[None, :], res, mask=m)
-            for q in tl.static_range(1, WORLD_SIZE):
-                p = (rank + q) % WORLD_SIZE
-                tl.store(_region(PTR_TABLE, 2, p, RES_DTYPE, WORLD_SIZE) + slot, res, mask=m)
+            tl.store(res_peers[:, None, None] + slot[None, :, :], res[None, :, :], mask=to_peers)
         tl.store(NORMED + rows[:, None] * stride_out_row + cols[None, :], normed, mask=m)
         if OUT_IN_REGION:  # the global row of the peers' ring slot: their output itself
             out_at = (out_ring_row + rows)[:, None] * HIDDEN + cols[None, :]
         else:
             out_at = slot
-        for q in tl.static_range(1, WORLD_SIZE):
-            p = (rank + q) % WORLD_SIZE
-            tl.store(_region(PTR_TABLE, 1, p, OUT_DTYPE, WORLD_SIZE) + out_at, normed, mask=m)
+        tl.store(out_peers[:, None, None] + out_at[None, :, :], normed[None, :, :], mask=to_peers)
 
     @triton.jit(do_not_specialize=["num_tokens", "rows_per_rank", "slot_rows", "rank", "pad_offset"])
     def push_allreduce_rmsnorm_kernel(
@@ -154,6 +171,7 @@ if HAS_TRITON:
         HAS_WEIGHT: tl.constexpr, HAS_MID: tl.constexpr, RESIDUAL_IN_SHARDED: tl.constexpr,
         RESIDUAL_OUT_SHARDED: tl.constexpr, SPIN_LIMIT: tl.constexpr, FENCE_ASM: tl.constexpr,
         OUT_IN_REGION: tl.constexpr = False, PHASES: tl.constexpr = 7, SYNC: tl.constexpr = True,
+        IDX64: tl.constexpr = True,
     ):
         pid = tl.program_id(0)
         step = tl.num_programs(0) * BLOCK_ROWS
@@ -172,13 +190,15 @@ if HAS_TRITON:
                 p = (rank + q) % WORLD_SIZE
                 _copy_phase(X, stride_x_row, True, _region(PTR_TABLE, 0, p, IN_DTYPE, WORLD_SIZE),
                             HIDDEN, False, 0, rank * slot_rows, p, pid, step, rows_per_rank,
-                            num_tokens, cols, col_ok, BLOCK_ROWS, COPY_UNROLL, COPY_STAGES)
+                            num_tokens, cols, col_ok, BLOCK_ROWS, COPY_UNROLL, COPY_STAGES, IDX64)
         if SYNC:
             block_barrier(PTR_TABLE, STATUS, rank, pad_offset, WORLD_SIZE, SPIN_LIMIT, FENCE_ASM)
 
         # 2. reduce our rows locally, add, norm; keep our rows, push them to every peer.
         if PHASES & 2:
             bias, w = norm_params(BIAS, WEIGHT, cols, col_ok, weight_offset, HAS_BIAS, HAS_WEIGHT)
+            out_peers, peer_ok = _peer_regions(PTR_TABLE, 1, rank, OUT_DTYPE, WORLD_SIZE, PEERS_P2)
+            res_peers, _ = _peer_regions(PTR_TABLE, 2, rank, RES_DTYPE, WORLD_SIZE, PEERS_P2)
             if NORM_PREFETCH:
                 # Registers double-buffered: the next tile's loads are issued before this tile's
                 # math and stores, so they are in flight meanwhile (no shared-memory staging, no
@@ -186,7 +206,7 @@ if HAS_TRITON:
                 nx, nparts, nres = _norm_loads(
                     X, stride_x_row, in_base, RESIDUAL, stride_res_row, pid * BLOCK_ROWS, rank,
                     slot_rows, rows_per_rank, num_tokens, step, cols, col_ok, HIDDEN, BLOCK_ROWS,
-                    NORM_UNROLL, WORLD_SIZE, PEERS_P2, HAS_RESIDUAL, RESIDUAL_IN_SHARDED)
+                    NORM_UNROLL, WORLD_SIZE, PEERS_P2, HAS_RESIDUAL, RESIDUAL_IN_SHARDED, IDX64)
                 for j0 in tl.range(pid * BLOCK_ROWS, rows_per_rank, step * NORM_UNROLL, num_stages=1):
                     cx = nx
                     cparts = nparts
@@ -195,22 +215,22 @@ if HAS_TRITON:
                         X, stride_x_row, in_base, RESIDUAL, stride_res_row, j0 + step * NORM_UNROLL,
                         rank, slot_rows, rows_per_rank, num_tokens, step, cols, col_ok, HIDDEN,
                         BLOCK_ROWS, NORM_UNROLL, WORLD_SIZE, PEERS_P2, HAS_RESIDUAL,
-                        RESIDUAL_IN_SHARDED)
+                        RESIDUAL_IN_SHARDED, IDX64)
                     j, rows, ok = shard_rows(j0, BLOCK_ROWS, rank, rows_per_rank, num_tokens,
-                                             NORM_UNROLL, step)
+                                             NORM_UNROLL, step, IDX64)
                     m = ok[:, None] & col_ok[None, :]
                     acc = cx.to(tl.float32) + tl.sum(cparts.to(tl.float32), axis=0)
                     res, normed = norm_tile(acc, cres, bias, w, eps, HIDDEN, RES_DTYPE, OUT_DTYPE,
                                             MID_DTYPE, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, HAS_MID)
-                    _norm_store(PTR_TABLE, NORMED, RESIDUAL_OUT, res, normed, j, rows, m, col_ok, cols,
-                                rank, slot_rows, rows_per_rank, stride_out_row, stride_res_out_row,
-                                out_ring_row, HIDDEN, WORLD_SIZE, OUT_DTYPE, RES_DTYPE,
-                                RESIDUAL_OUT_SHARDED, OUT_IN_REGION)
+                    _norm_store(out_peers, res_peers, peer_ok, NORMED, RESIDUAL_OUT, res, normed, j,
+                                rows, m, col_ok, cols, rank, slot_rows, rows_per_rank,
+                                stride_out_row, stride_res_out_row, out_ring_row, HIDDEN,
+                                RESIDUAL_OUT_SHARDED, OUT_IN_REGION, HAS_BIAS)
             else:
                 for j0 in tl.range(pid * BLOCK_ROWS, rows_per_rank, step * NORM_UNROLL,
                                    num_stages=NORM_STAGES):
                     j, rows, ok = shard_rows(j0, BLOCK_ROWS, rank, rows_per_rank, num_tokens,
-                                             NORM_UNROLL, step)
+                                             NORM_UNROLL, step, IDX64)
                     m = ok[:, None] & col_ok[None, :]
                     acc = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=m,
                                   other=0.0).to(tl.float32)
@@ -221,10 +241,10 @@ if HAS_TRITON:
                     res, normed = add_norm(acc, j, rows, m, cols, RESIDUAL, stride_res_row, bias, w,
                                            eps, HIDDEN, RES_DTYPE, OUT_DTYPE, MID_DTYPE, HAS_BIAS,
                                            HAS_RESIDUAL, HAS_WEIGHT, HAS_MID, RESIDUAL_IN_SHARDED)
-                    _norm_store(PTR_TABLE, NORMED, RESIDUAL_OUT, res, normed, j, rows, m, col_ok, cols,
-                                rank, slot_rows, rows_per_rank, stride_out_row, stride_res_out_row,
-                                out_ring_row, HIDDEN, WORLD_SIZE, OUT_DTYPE, RES_DTYPE,
-                                RESIDUAL_OUT_SHARDED, OUT_IN_REGION)
+                    _norm_store(out_peers, res_peers, peer_ok, NORMED, RESIDUAL_OUT, res, normed, j,
+                                rows, m, col_ok, cols, rank, slot_rows, rows_per_rank,
+                                stride_out_row, stride_res_out_row, out_ring_row, HIDDEN,
+                                RESIDUAL_OUT_SHARDED, OUT_IN_REGION, HAS_BIAS)
         if SYNC:
             block_barrier(PTR_TABLE, STATUS, rank, pad_offset, WORLD_SIZE, SPIN_LIMIT, FENCE_ASM)
 
@@ -238,10 +258,10 @@ if HAS_TRITON:
                 if not OUT_IN_REGION:
                     _copy_phase(out_base, HIDDEN, False, NORMED, stride_out_row, True,
                                 p * slot_rows, 0, p, pid, step, rows_per_rank, num_tokens, cols,
-                                col_ok, BLOCK_ROWS, COPY_UNROLL, COPY_STAGES)
+                                col_ok, BLOCK_ROWS, COPY_UNROLL, COPY_STAGES, IDX64)
                 if not RESIDUAL_OUT_SHARDED:
                     _copy_phase(res_base, HIDDEN, False, RESIDUAL_OUT, stride_res_out_row, True,
                                 p * slot_rows, 0, p, pid, step, rows_per_rank, num_tokens, cols,
-                                col_ok, BLOCK_ROWS, COPY_UNROLL, COPY_STAGES)
+                                col_ok, BLOCK_ROWS, COPY_UNROLL, COPY_STAGES, IDX64)
 else:  # pragma: no cover
     push_allreduce_rmsnorm_kernel = None

@@ -19,18 +19,23 @@ if HAS_TRITON:
 
     @triton.jit
     def shard_rows(j0, BLOCK_ROWS: tl.constexpr, owner, rows_per_rank, num_tokens,
-                   UNROLL: tl.constexpr = 1, step=0):
+                   UNROLL: tl.constexpr = 1, step=0, IDX64: tl.constexpr = True):
         """Shard-local indices ``j`` and global rows of ``owner``'s shard, with validity
         (rows past the shard or past T are masked: padded rows are never read).
 
         ``UNROLL`` tiles of ``BLOCK_ROWS`` rows, ``step`` rows apart: one iteration of a
         grid-stride loop unrolled ``UNROLL`` times (the rows a CTA visits stay the same, only
-        more of them are in flight at once)."""
+        more of them are in flight at once).  ``IDX64``: int64 indices, so element offsets
+        computed from them cannot overflow; a launcher that has checked every offset fits in
+        int32 passes False (half the address arithmetic per row)."""
         a = tl.arange(0, UNROLL * BLOCK_ROWS)
         j = j0 + (a // BLOCK_ROWS) * step + a % BLOCK_ROWS
-        rows = (owner * rows_per_rank + j).to(tl.int64)
+        rows = owner * rows_per_rank + j
         ok = (j < rows_per_rank) & (rows < num_tokens)
-        return j.to(tl.int64), rows, ok
+        if IDX64:  # widened after the checks (the 32-bit values are exact: rows < 2**31)
+            j = j.to(tl.int64)
+            rows = rows.to(tl.int64)
+        return j, rows, ok
 
     @triton.jit
     def norm_params(BIAS, WEIGHT, cols, col_ok, weight_offset, HAS_BIAS: tl.constexpr,
@@ -91,8 +96,11 @@ if HAS_TRITON:
 
     @triton.jit
     def store_residual_shard(RESIDUAL_OUT, j, res, mask, col_ok, cols, rows_per_rank,
-                             stride_res_out_row):
-        """This rank's [S, H] residual shard: rows past T inside the shard are written as 0."""
-        tl.store(RESIDUAL_OUT + j[:, None] * stride_res_out_row + cols[None, :],
-                 tl.where(mask, res, tl.zeros_like(res)),
+                             stride_res_out_row, ZERO_PAST_T: tl.constexpr = True):
+        """This rank's [S, H] residual shard: rows past T inside the shard are written as 0
+        (``ZERO_PAST_T``: made so here; without it the caller guarantees ``res`` is 0 there,
+        e.g. every input of those rows was loaded as 0 and no bias was added)."""
+        if ZERO_PAST_T:
+            res = tl.where(mask, res, tl.zeros_like(res))
+        tl.store(RESIDUAL_OUT + j[:, None] * stride_res_out_row + cols[None, :], res,
                  mask=(j < rows_per_rank)[:, None] & col_ok[None, :])
