@@ -326,15 +326,17 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("cfg", [None, ce.addnorm.LaunchConfig(2, 1, 16, True), ce.addnorm.LaunchConfig(1, 1, 8, True),
                                  ce.addnorm.LaunchConfig(4, 1, 16, True)], ids=["default", "pf_r2w16", "pf_r1w8", "pf_r4w16"])
 @pytest.mark.parametrize("slots,H", [(1, 4096), (3, 3000)])
-def test_addnorm_kernel_shapes_match_the_torch_path(cfg, slots, H, seed):
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+def test_addnorm_kernel_shapes_match_the_torch_path(cfg, slots, H, with_bias, seed):
     """The add+norm kernel (pipelined default and register-prefetched shapes) against its torch
-    path on the same inputs, poisoned outputs, a grid smaller than the row blocks."""
+    path on the same inputs, poisoned outputs, a grid smaller than the row blocks; without a
+    bias the residual's padding rows are zero with no select in the kernel."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     n = 1001
     x = torch.randn(n, H, device="cuda", generator=g).to(torch.bfloat16)
     recv = torch.randn(slots, n + 7, H, device="cuda", generator=g).to(torch.bfloat16)
     res = torch.randn(n, H, device="cuda", generator=g).to(torch.bfloat16)
-    bias = torch.randn(H, device="cuda", generator=g).to(torch.bfloat16)
+    bias = torch.randn(H, device="cuda", generator=g).to(torch.bfloat16) if with_bias else None
     w = torch.randn(H, device="cuda", generator=g).to(torch.bfloat16)
     outs = []
     for force in (False, True):
@@ -346,7 +348,16 @@ def test_addnorm_kernel_shapes_match_the_torch_path(cfg, slots, H, seed):
     _sync()
     (kn, kr), (tn, tr) = outs
     assert not torch.isnan(kn).any() and not torch.isnan(kr).any()
-    # fp32 sums in another order, then one rounding to bf16: at most an ulp apart
-    torch.testing.assert_close(kr.float(), tr.float(), **TOL[torch.bfloat16])
-    torch.testing.assert_close(kn.float(), tn.float(), **TOL[torch.bfloat16])
+    # fp32 sums in another order, then one rounding to bf16: the residual at most an ulp apart;
+    # the normed rows two (a residual an ulp off moves its normed element by about one, and the
+    # sum of squares is reduced in another order too)
+    assert _bf16_ulps(kr[:n], tr[:n]) <= 1
+    assert _bf16_ulps(kn, tn) <= 2
     assert torch.all(kr[n:] == 0)
+
+
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest |a - b| in units in the last place of bf16 at ``b`` (8 significant bits)."""
+    _, e = torch.frexp(b.float())
+    ulp = torch.ldexp(torch.ones_like(b, dtype=torch.float32), e - 8)
+    return float(((a.float() - b.float()).abs() / ulp).max())

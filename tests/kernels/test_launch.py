@@ -123,18 +123,6 @@ def test_push_meta_is_rank_independent_fits_and_covers_rows():
     assert (v1.block_rows, v1.copy_unroll, v1.copy_stages, v1.norm_stages) == (4, 1, 1, 1)
 
 
-def test_index_width_is_64_bit_exactly_when_an_offset_can_reach_2_pow_31():
-    """The push kernel's index arithmetic is 32-bit only where every element offset fits (the
-    CPU interpreter runs both widths: tests/testing/test_emulated_ranks.py forces 64)."""
-    assert not launch.needs_int64(2 ** 31 - 1, 5) and launch.needs_int64(7, 2 ** 31)
-    assert not launch.needs_int64()
-    x = torch.empty(3, 10)
-    assert launch._extent(x) == 30 and launch._extent(x[:, :4]) == 24  # last row ends at 2*10+4
-    assert launch._extent(torch.empty(0, 8)) == 0
-    # a strided view spans its whole stride range
-    assert launch._extent(torch.empty(4, 100)[::2, :10]) == 210
-
-
 @requires_triton
 def test_public_launcher_rejects_bad_arguments(monkeypatch):
     x = torch.randn(4, 64)

@@ -36,6 +36,8 @@ CASES = [
     make_case(37, 32, "fp16", res="shard_both", mid="bf16", woff=1.0, ctas=4, seed=3),
     make_case(40, 48, "fp32", out_dtype="bf16", res_dtype="fp32", res="shard_in", ctas=3, seed=4),
     make_case(23, 64, "bf16", res="shard_out", weight=False, ctas=2, seed=5),
+    # no bias: the shard's rows past T must come out zero without the residual store's select
+    make_case(13, 32, "bf16", res="shard_both", bias=False, ctas=2, seed=6),
 ]
 
 

@@ -104,7 +104,9 @@ if HAS_TRITON:
         # The one add+norm body of every kernel (rownorm.py); our rows are shard-local (j == rows).
         res, normed = add_norm(acc, rows, rows, m, cols, RES_IN, stride_res_in_row, b, w, eps, HIDDEN, RES_DTYPE,
                                OUT_DTYPE, MID_DTYPE, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, HAS_MID, True)
-        store_residual_shard(RES_OUT, rows, res, m, cmask, cols, n_res_rows, stride_res_out_row)
+        # rows past n_valid loaded every input as 0: zero already unless a bias or scale moves them
+        store_residual_shard(RES_OUT, rows, res, m, cmask, cols, n_res_rows, stride_res_out_row,
+                             HAS_BIAS or HAS_SCALE)
         tl.store(NORMED + rows[:, None] * stride_normed_row + cols[None, :], normed, mask=m)
 
     @triton.jit
@@ -139,7 +141,9 @@ if HAS_TRITON:
             acc = acc * s
         res, normed = norm_tile(acc, res_in, b, w, eps, HIDDEN, RES_DTYPE, OUT_DTYPE, MID_DTYPE, HAS_BIAS,
                                 HAS_RESIDUAL, HAS_WEIGHT, HAS_MID)
-        store_residual_shard(RES_OUT, rows, res, m, cmask, cols, n_res_rows, stride_res_out_row)
+        # rows past n_valid loaded every input as 0: zero already unless a bias or scale moves them
+        store_residual_shard(RES_OUT, rows, res, m, cmask, cols, n_res_rows, stride_res_out_row,
+                             HAS_BIAS or HAS_SCALE)
         tl.store(NORMED + rows[:, None] * stride_normed_row + cols[None, :], normed, mask=m)
 
     @triton.jit
@@ -287,7 +291,8 @@ def _launch(x, recv, residual, bias, weight, scale, normed, res_out, n_valid, n_
         MID_DTYPE=tl_dtype(mid_dtype if mid_dtype is not None else torch.float32),
         HAS_MID=mid_dtype is not None, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, INTERPRET=interpreting(),
-        PREFETCH=bool(cfg.prefetch), SLOTS_P2=next_pow2(max(1, slots)), num_warps=cfg.num_warps, num_stages=1, **({"grid": (grid,)} if preload else {}))
+        PREFETCH=bool(cfg.prefetch), SLOTS_P2=next_pow2(max(1, slots)),
+        num_warps=cfg.num_warps, num_stages=1, **({"grid": (grid,)} if preload else {}))
     if preload and hasattr(compiled, "_init_handles"):
         compiled._init_handles()  # cuModuleLoadData + cuModuleGetFunction now, not at the launch
 

@@ -84,3 +84,17 @@ def prefetch_fits(inputs: int, elems_per_thread: int, elem_bytes: int, num_warps
     e = elems_per_thread
     regs = 2 * inputs * e * elem_bytes / 4 + 2 * e + 40
     return regs <= min(255, 65536 // (32 * num_warps))
+
+
+def needs_int64(*extents: int) -> bool:
+    """Whether an element offset a kernel forms can reach 2**31 (an extent: the elements one
+    tensor or region spans from its base), so its index arithmetic must be 64-bit."""
+    return max(extents, default=0) >= 2 ** 31
+
+
+def extent(t) -> int:
+    """Elements a tensor spans from its base to the end of its last element (any rank, any
+    strides, 0 when empty)."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))

@@ -22,8 +22,9 @@ from typing import Optional
 
 import torch
 
-from .common import (DEFAULT_COMM_CTAS, HAS_TRITON, MAX_CTAS, SUPPORTED_DTYPES, interpreting,
-                     next_pow2, prefetch_fits, prev_pow2, spin_limit, tl_dtype, vector_width)
+from .common import (DEFAULT_COMM_CTAS, HAS_TRITON, MAX_CTAS, SUPPORTED_DTYPES, extent, interpreting,
+                     needs_int64, next_pow2, prefetch_fits, prev_pow2, spin_limit, tl_dtype,
+                     vector_width)
 from .pull import pull_allreduce_rmsnorm_kernel
 from .push import push_allreduce_rmsnorm_kernel
 from .select import SYMM_KERNELS, check_hidden
@@ -204,17 +205,6 @@ def push_constexprs(meta: LaunchMeta, **kw) -> dict:
                 PEERS_P2=next_pow2(max(1, int(kw["world_size"]) - 1)))
 
 
-def needs_int64(*extents: int) -> bool:
-    """Whether an element offset a kernel forms can reach 2**31 (an extent: the elements one
-    tensor or region spans from its base), so its index arithmetic must be 64-bit."""
-    return max(extents, default=0) >= 2 ** 31
-
-
-def _extent(t: torch.Tensor) -> int:
-    """Elements a [rows, H] tensor spans from its base (its last row's end)."""
-    return (t.shape[0] - 1) * t.stride(0) + t.shape[-1] if t.shape[0] else 0
-
-
 def _norm_inputs(residual, bias, weight):
     if residual is not None and residual.stride(-1) != 1:
         residual = residual.contiguous()
@@ -290,7 +280,7 @@ def launch_push(ws: SymmWorkspace, x, residual, bias, weight, normed, residual_o
             max(out_slot, 0) * ws.capacity)
     out_ring = getattr(ws, "out_ring", None)
     region_rows = ws.capacity * (out_ring.shape[0] if out_ring is not None else 1)
-    idx64 = needs_int64(region_rows * H, *(_extent(t) for t in (x, residual, normed, residual_out)
+    idx64 = needs_int64(region_rows * H, *(extent(t) for t in (x, residual, normed, residual_out)
                                            if t is not None))
     kwargs = dict(OUT_IN_REGION=out_slot >= 0, PHASES=int(phases), SYNC=bool(sync), IDX64=idx64,
                   num_warps=meta.num_warps, num_stages=1, **consts)
