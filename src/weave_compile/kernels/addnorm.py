@@ -53,8 +53,8 @@ def launch_config(hidden: int, block_rows: Optional[int] = None, num_stages: Opt
     Default: the register-prefetched loop on an 8K-element tile (2 rows at H=4096, 1 at 8192) with
     16 warps, where two tiles of its inputs fit the registers
     (:func:`weave_compile.kernels.common.prefetch_fits`): on one H200 at 8 CTAs, 2 slots' worth of
-    bf16 (``bench_comm_ce.py``, session 5, ``results/comm_per_cta_ce.csv``) it moves 69.6 GB/s
-    per CTA at H=4096 and 76.1 at 8192, against 60.6 and 64.7 for the best of 12 pipelined shapes.
+    bf16 (``bench_comm_ce.py``, session 6, ``results/comm_per_cta_ce.csv``) it moves 73.9 GB/s
+    per CTA at H=4096 and 76.9 at 8192, against 59.9 and 61.1 for the best of 12 pipelined shapes.
     Elsewhere the pipelined loop on a 16K-element tile, 3 stages, 16 warps up to H=4096 and 8
     above (that sweep's best); a pipelined shape that does not fit in shared memory is retried
     with fewer stages (launcher).
