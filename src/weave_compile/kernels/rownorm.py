@@ -31,7 +31,8 @@ if HAS_TRITON:
         a = tl.arange(0, UNROLL * BLOCK_ROWS)
         j = j0 + (a // BLOCK_ROWS) * step + a % BLOCK_ROWS
         rows = owner * rows_per_rank + j
-        ok = (j < rows_per_rank) & (rows < num_tokens)
+        # j < S and owner * S + j < T as one compare per row (the bound is one scalar)
+        ok = j < tl.minimum(rows_per_rank, num_tokens - owner * rows_per_rank)
         if IDX64:  # widened after the checks (the 32-bit values are exact: rows < 2**31)
             j = j.to(tl.int64)
             rows = rows.to(tl.int64)
