@@ -139,8 +139,9 @@ def check_outputs(c, world, rank, normed, res_out, ref_n, ref_r):
         lo, hi = rank * S, min(T, (rank + 1) * S)
         n = max(0, hi - lo)
         er, xr = _excess(res_out[:n], ref_r[lo:hi])
-        if n < S and not torch.equal(res_out[n:], torch.zeros_like(res_out[n:])):
-            msgs.append("residual shard rows beyond T not zero")
+        if n < S and (not torch.equal(res_out[n:], torch.zeros_like(res_out[n:]))
+                      or torch.signbit(res_out[n:]).any()):
+            msgs.append("residual shard rows beyond T not +0")
     else:
         if tuple(res_out.shape) != (T, H):
             return False, en, float("nan"), f"residual shape {tuple(res_out.shape)}"

@@ -1,4 +1,4 @@
-"""Tests for kernels/common.py: the index-width decision of the kernels' launchers.
+"""Tests for kernels/common.py: the index-width rule of the push kernel's launcher.
 
 (The rest of the module, dtype tables and the register model, is tested through its users:
 tests/kernels/test_launch.py and tests/testing/test_ptx.py.)
@@ -12,9 +12,9 @@ from weave_compile.kernels.common import extent, needs_int64
 
 
 def test_index_width_is_64_bit_exactly_when_an_offset_can_reach_2_pow_31():
-    """The push and add+norm kernels index in 32 bits only where every element offset fits (the
-    CPU interpreter runs both widths: tests/testing/test_emulated_ranks.py and
-    tests/kernels/test_copy_engine.py force 64)."""
+    """The push kernel indexes in 32 bits only where every element offset fits (its launcher's
+    choice: tests/kernels/test_launch.py; the CPU interpreter runs the kernel at both widths:
+    tests/testing/test_emulated_ranks.py forces 64)."""
     assert not needs_int64(2 ** 31 - 1, 5) and needs_int64(7, 2 ** 31)
     assert not needs_int64()
 

@@ -209,9 +209,11 @@ for H, n, slots, cfg in [(40, 5, 1, addnorm.LaunchConfig(2, 3, 4)), (96, 9, 2, a
     recv = torch.randn(slots, n + 3, H, generator=g).to(torch.bfloat16) if slots else None
     res = torch.randn(n, H, generator=g).to(torch.bfloat16)
     kw = dict(eps=1e-5, mid_dtype=torch.bfloat16, weight_offset=1.0, num_ctas=2)
-    # with a bias and a scale (the padding rows' zeros come from the kernel's select), and without
-    # (they come from inputs loaded as 0: no select then)
-    for bias, scale in ((torch.randn(H, generator=g), torch.tensor([1.5])), (None, None)):
+    # with a bias and/or a scale (the padding rows' zeros come from the kernel's select; a
+    # negative scale would make them -0.0 without it), and without either (they come from
+    # inputs loaded as 0: no select then)
+    for bias, scale in ((torch.randn(H, generator=g), torch.tensor([1.5])), (None, None),
+                        (torch.randn(H, generator=g), None), (None, torch.tensor([-1.5]))):
         w = torch.randn(H, generator=g)
         outs = []
         for force in (False, True):
@@ -222,7 +224,7 @@ for H, n, slots, cfg in [(40, 5, 1, addnorm.LaunchConfig(2, 3, 4)), (96, 9, 2, a
             outs.append((normed[:n], res_out))
         torch.testing.assert_close(outs[0][0].float(), outs[1][0].float(), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-5, rtol=1e-5)
-        assert torch.all(outs[0][1][n:] == 0)
+        assert torch.all(outs[0][1][n:] == 0) and not torch.signbit(outs[0][1][n:]).any()
 # The whole simulated protocol with the Triton kernel as its add+norm.
 for N, residual in ((2, "sharded"), (3, "full")):
     results, S = t.run_calls(N, 11, 40, residual=residual, bias=True, seed=seed, calls=2)

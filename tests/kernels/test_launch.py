@@ -124,6 +124,45 @@ def test_push_meta_is_rank_independent_fits_and_covers_rows():
 
 
 @requires_triton
+def test_push_launcher_picks_64_bit_indices_exactly_where_an_offset_can_reach_2_pow_31(monkeypatch):
+    """The launch's index width (the kernel stubbed: nothing runs, so the extents may be huge):
+    the regions' rows (up to the ring slot the launch writes) and every tensor's extent count."""
+    import dataclasses
+
+    from weave_compile.kernels.workspace import ring_output
+    from weave_compile.testing.emulated_ranks import EmulatedRanks
+
+    seen = []
+
+    class _Stub:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append(kw["IDX64"])
+
+    monkeypatch.setattr(launch, "push_allreduce_rmsnorm_kernel", _Stub())
+    H, T = 64, 6
+    ws = EmulatedRanks.create(2, H, T, dtype=torch.bfloat16, device="cpu").workspaces[0]
+
+    def idx64(ws, x=None, out_slot=-1):
+        x = torch.randn(T, H).bfloat16() if x is None else x
+        normed = ring_output(ws, out_slot, T) if out_slot >= 0 else torch.empty(T, H).bfloat16()
+        launch.launch_push(ws, x, None, None, None, normed, torch.empty(T, H).bfloat16(),
+                           num_tokens=T, mid_dtype=None, residual_in_sharded=False,
+                           residual_out_sharded=False, eps=1e-6, weight_offset=0.0, comm_ctas=2,
+                           num_warps=None, out_slot=out_slot)
+        return seen.pop()
+
+    assert idx64(ws) is False and idx64(ws, out_slot=2) is False
+    rows = 2 ** 31 // H  # capacity x H == 2**31: a region offset can reach it
+    assert idx64(dataclasses.replace(ws, capacity=rows)) is True
+    # a third of that: the regions fit, the ring's third slot does not
+    big = dataclasses.replace(ws, capacity=rows // 3 + 1)
+    assert idx64(big) is False and idx64(big, out_slot=1) is False and idx64(big, out_slot=2) is True
+    # one tensor whose rows span 2**31 elements (a strided view, never allocated)
+    wide = torch.empty(0, dtype=torch.bfloat16, device="meta").as_strided((T, H), (2 ** 31 // (T - 1), 1))
+    assert idx64(ws, x=wide) is True
+
+
+@requires_triton
 def test_public_launcher_rejects_bad_arguments(monkeypatch):
     x = torch.randn(4, 64)
     with pytest.raises(ValueError, match="unknown kernel"):

@@ -112,6 +112,9 @@ def _main(world: int) -> int:
                    for _ in range(world)]
         res_in = [None if residual is None else (shard_rows(residual, world, r) if in_sh else residual)
                   for r in range(world)]
+        if in_sh and residual is not None:  # a shard's rows past T must never be read: poisoned
+            for r in range(world):
+                res_in[r][max(0, min(S, c["T"] - r * S)):] = float("nan")
         with mock.patch.object(launch, "needs_int64", lambda *extents: True) if shape.endswith("int64") \
                 else contextlib.nullcontext():
             outs = push_allreduce_rmsnorm(ranks, xs, res_in, bias, weight, residual_out_sharded=out_sh,

@@ -278,8 +278,9 @@ def launch_push(ws: SymmWorkspace, x, residual, bias, weight, normed, residual_o
             x.stride(0), residual.stride(0) if residual is not None else 0,
             normed.stride(0), residual_out.stride(0), float(eps), float(weight_offset),
             max(out_slot, 0) * ws.capacity)
-    out_ring = getattr(ws, "out_ring", None)
-    region_rows = ws.capacity * (out_ring.shape[0] if out_ring is not None else 1)
+    # Every region offset is below capacity x H rows' worth, the ring's below the end of the slot
+    # this launch writes (slot 0 is the output region itself).
+    region_rows = ws.capacity * (max(out_slot, 0) + 1)
     idx64 = needs_int64(region_rows * H, *(extent(t) for t in (x, residual, normed, residual_out)
                                            if t is not None))
     kwargs = dict(OUT_IN_REGION=out_slot >= 0, PHASES=int(phases), SYNC=bool(sync), IDX64=idx64,

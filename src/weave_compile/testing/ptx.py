@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from weave_compile.kernels import common, launch
+from weave_compile.kernels import common, launch, workspace
 from weave_compile.kernels.pull import pull_allreduce_rmsnorm_kernel
 from weave_compile.kernels.push import push_allreduce_rmsnorm_kernel
 from weave_compile.kernels.select import check_hidden
@@ -88,9 +88,10 @@ def compile_variant_ptx(kernel: str, dtype: torch.dtype, hidden: int,
                                 residual_dtype.itemsize, num_warps, ring=bool(out_in_region))
         if block_rows is not None:
             meta = dataclasses.replace(meta, block_rows=int(block_rows))
-        # the index width the launcher would pick for T = N x rows_per_rank rows (the
-        # workspace holding them, with the ring where asked)
-        extent = world_size * rows_per_rank * hidden * (common.OUT_RING_SLOTS if out_in_region else 1)
+        # the index width the launcher would pick for T = N x rows_per_rank rows: the
+        # workspace it would allocate for them, up to the last ring slot where asked
+        capacity = workspace._round_capacity(world_size * rows_per_rank, world_size)
+        extent = capacity * hidden * (common.OUT_RING_SLOTS if out_in_region else 1)
         consts = dict(launch.push_constexprs(meta, **flags), PHASES=7, SYNC=True,
                       OUT_IN_REGION=bool(out_in_region), IDX64=launch.needs_int64(extent))
         # out_ring_row is not declared 16-divisible: the stores must vectorize regardless
