@@ -126,8 +126,9 @@ def push_meta(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
     into registers while this one is reduced and stored (``norm_prefetch``, shape from
     :func:`_prefetch_shape`: 16 warps and 2-row tiles at H=4096 for 2 bf16 ranks; measured
     77.7 GB/s per CTA at 8 CTAs against 51 for the pipelined loop, the whole op 31% faster at
-    8 CTAs and 15% at 32, H=4096; benchmarks/NOTES.md, session 6); where no such shape fits the registers (many ranks with wide
-    dtypes), or ``num_warps`` is forced, the :func:`push_pipelined_meta` shape.  Never more tiles per iteration than the shard gives a
+    8 CTAs and 15% at 32, H=4096; benchmarks/NOTES.md, session 6); where no such shape fits the
+    registers (many ranks with wide dtypes), or ``num_warps`` is forced, the
+    :func:`push_pipelined_meta` shape.  Never more tiles per iteration than the shard gives a
     CTA.  ``ring``: the launch leaves its normed output in the ring (``out_slot``), which
     measured fastest with a different shape (see :func:`_prefetch_shape`); every rank passes the
     same, as every rank compiles the same graph."""

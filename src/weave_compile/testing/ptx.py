@@ -93,7 +93,7 @@ def compile_variant_ptx(kernel: str, dtype: torch.dtype, hidden: int,
         capacity = workspace._round_capacity(world_size * rows_per_rank, world_size)
         extent = capacity * hidden * (common.OUT_RING_SLOTS if out_in_region else 1)
         consts = dict(launch.push_constexprs(meta, **flags), PHASES=7, SYNC=True,
-                      OUT_IN_REGION=bool(out_in_region), IDX64=launch.needs_int64(extent))
+                      OUT_IN_REGION=bool(out_in_region), IDX64=common.needs_int64(extent))
         # out_ring_row is not declared 16-divisible: the stores must vectorize regardless
         runtime_sig.update(X=sig(dtype), NORMED=sig(out_dtype), slot_rows="i32",
                            stride_x_row="i32", stride_out_row="i32", out_ring_row="i32")
