@@ -7,8 +7,8 @@ Same phase shape as ``probe_addnorm_prefetch.py`` (2 ranks, sharded residual: pe
 bulk tensor copy into shared memory (one thread issues it; a ``tl.range`` pipeline of STAGES
 stages keeps STAGES-1 tiles in flight without holding registers) move more bytes per CTA than
 the register prefetch (``prefetch2``, the push kernel's loop today, ~76 GB/s per CTA)?
-Kernels: ``tma`` (descriptor loads, ordinary stores), ``tma_st`` (descriptor loads and
-stores).  Host-side descriptors (``triton.tools.tensor_descriptor``): every buffer the phase
+Kernels: ``tma`` (descriptor loads, ordinary stores), ``tma_st`` (the same kernel with
+``TMA_STORE``: descriptor loads and stores).  Host-side descriptors (``triton.tools.tensor_descriptor``): every buffer the phase
 reads is local to the rank in the push design (the peers' partials arrive in its own region).
 """
 import os
@@ -22,7 +22,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Timer  # noqa: E402  (multicast off)
-from probe_addnorm_prefetch import prefetch2_kernel  # noqa: E402
+from probe_addnorm_prefetch import phase_case, phase_ok, prefetch2_kernel  # noqa: E402
 
 
 @triton.jit
@@ -34,53 +34,33 @@ def _add_norm(x, p, r, w, eps, H: tl.constexpr):
 
 @triton.jit
 def tma_kernel(XD, PD, RD, RO, NO, NP, W, S, eps, H: tl.constexpr, BR: tl.constexpr,
-               STAGES: tl.constexpr):
-    """Descriptor loads of [BR, H] tiles in a STAGES-deep pipeline; ordinary stores."""
+               STAGES: tl.constexpr, TMA_STORE: tl.constexpr):
+    """Descriptor loads of [BR, H] tiles in a STAGES-deep pipeline; the outputs ordinary
+    pointers, or with ``TMA_STORE`` descriptors stored through (S a multiple of BR)."""
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BR
     cols = tl.arange(0, H)
     w = tl.load(W + cols).to(tl.float32)
     for j in tl.range(pid * BR, S, step, num_stages=STAGES):
-        x = XD.load([j, 0])
-        p = PD.load([j, 0])
-        r = RD.load([j, 0])
-        rows = j + tl.arange(0, BR)
-        m = (rows < S)[:, None]
-        off = rows[:, None] * H + cols[None, :]
-        res, y = _add_norm(x, p, r, w, eps, H)
-        tl.store(RO + off, res, mask=m)
-        tl.store(NO + off, y, mask=m)
-        tl.store(NP + off, y, mask=m)
-
-
-@triton.jit
-def tma_st_kernel(XD, PD, RD, ROD, NOD, NPD, W, S, eps, H: tl.constexpr, BR: tl.constexpr,
-                  STAGES: tl.constexpr):
-    """Descriptor loads and descriptor stores."""
-    pid = tl.program_id(0)
-    step = tl.num_programs(0) * BR
-    cols = tl.arange(0, H)
-    w = tl.load(W + cols).to(tl.float32)
-    for j in tl.range(pid * BR, S, step, num_stages=STAGES):
-        x = XD.load([j, 0])
-        p = PD.load([j, 0])
-        r = RD.load([j, 0])
-        res, y = _add_norm(x, p, r, w, eps, H)
-        ROD.store([j, 0], res)
-        NOD.store([j, 0], y)
-        NPD.store([j, 0], y)
+        res, y = _add_norm(XD.load([j, 0]), PD.load([j, 0]), RD.load([j, 0]), w, eps, H)
+        if TMA_STORE:
+            RO.store([j, 0], res)
+            NO.store([j, 0], y)
+            NP.store([j, 0], y)
+        else:
+            rows = j + tl.arange(0, BR)
+            m = (rows < S)[:, None]
+            off = rows[:, None] * H + cols[None, :]
+            tl.store(RO + off, res, mask=m)
+            tl.store(NO + off, y, mask=m)
+            tl.store(NP + off, y, mask=m)
 
 
 def main():
     S, H = 4096, int(os.environ.get("H", 4096))
     dt = torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(0)
-    X, P, R = (torch.randn(S, H, device="cuda", generator=g).to(dt) for _ in range(3))
-    W = torch.randn(H, device="cuda", generator=g).to(dt)
-    outs = [torch.empty(S, H, device="cuda", dtype=dt) for _ in range(3)]
-    ref_res = (X.float() + P.float() + R.float()).to(dt)
-    rf = ref_res.float()
-    ref_y = (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + 1e-6) * W.float()).to(dt)
+    X, P, R, W, outs, ref_res, ref_y = phase_case(S, H, g)
     nbytes = 6 * S * H * 2
     variants = [("prefetch2", 2, 8, 1), ("prefetch2", 2, 16, 2)]
     variants += [("tma", br, nw, st) for br in (1, 2, 4) for st in (2, 3, 4) for nw in (4, 8, 16)]
@@ -91,16 +71,14 @@ def main():
             if only and name not in only.split(","):
                 continue
             if name == "prefetch2":
-                args = (X, P, R, *outs)
-                kern = prefetch2_kernel
+                args, kern, extra = (X, P, R, *outs), prefetch2_kernel, {}
             else:
                 d = [TensorDescriptor.from_tensor(t, [br, H]) for t in (X, P, R)]
                 o = outs if name == "tma" else [TensorDescriptor.from_tensor(t, [br, H]) for t in outs]
-                args = (*d, *o)
-                kern = tma_kernel if name == "tma" else tma_st_kernel
+                args, kern, extra = (*d, *o), tma_kernel, dict(TMA_STORE=name == "tma_st")
 
             def call():
-                kern[(ctas,)](*args, W, S, 1e-6, H=H, BR=br, STAGES=st, num_warps=nw)
+                kern[(ctas,)](*args, W, S, 1e-6, H=H, BR=br, STAGES=st, num_warps=nw, **extra)
             try:
                 for o in outs:
                     o.fill_(float("nan"))
@@ -109,8 +87,7 @@ def main():
             except Exception as e:  # a shape that does not fit (shared memory, registers)
                 print(f"{name:10s} ctas={ctas} br={br} nw={nw} st={st}: {type(e).__name__} {str(e)[:80]}", flush=True)
                 continue
-            ok = (torch.equal(outs[0], ref_res) and (outs[1].float() - ref_y.float()).abs().max().item() < 0.07
-                  and torch.equal(outs[1], outs[2]))
+            ok = phase_ok(outs, ref_res, ref_y)
             us = Timer(repeats=5, warmup=0)(call, 10)  # median of 5 graph replays of 10 calls
             print(f"{name:10s} ctas={ctas} br={br} nw={nw} st={st}: {us:8.1f} us "
                   f"{nbytes / us / 1e3 / ctas:6.1f} GB/s/CTA {'ok' if ok else 'WRONG'}", flush=True)
