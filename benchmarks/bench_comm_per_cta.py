@@ -53,7 +53,7 @@ os.environ.setdefault("WEAVE_SYMM_SPIN_LIMIT", str(1 << 24))
 
 COLUMNS = ["gpu", "torch", "triton", "git_commit", "date", "design", "phase", "ctas", "rows_per_rank",
            "hidden", "world_size", "residual", "block_rows", "copy_unroll", "copy_stages",
-           "norm_unroll", "norm_stages", "norm_prefetch", "num_warps", "bytes", "us", "gbps_per_cta", "timeouts"]
+           "norm_unroll", "norm_stages", "norm_prefetch", "norm_depth", "num_warps", "bytes", "us", "gbps_per_cta", "timeouts"]
 PHASES = {"scatter": 1, "reduce_norm": 2, "gather": 4, "all": 7, "barriers": 0,
           "scatter+norm": 3, "norm+gather": 6}  # pairs: how the phases interact
 TARGET = 80.0
@@ -84,6 +84,12 @@ SWEEP = {  # the first entries time knobs of the copy phases, then of the pipeli
     "pf_w16": (dict(num_warps=16), ("reduce_norm",)),
     "pf_r1": (dict(block_rows=1), ("reduce_norm",)),
     "pf_w16_all": (dict(num_warps=16), ("scatter", "reduce_norm", "gather", "all")),
+    # the prefetched loop unrolled over 2 or 3 register buffers (norm_depth; session 7), with the
+    # copy phases' bytes in flight kept at 8 x 8 KB where the tile is one row
+    "d2_r1": (dict(norm_depth=2, block_rows=1, copy_unroll=8), ("reduce_norm", "all")),
+    "d3_r1": (dict(norm_depth=3, block_rows=1, copy_unroll=8), ("reduce_norm", "all")),
+    "d2_r2": (dict(norm_depth=2), ("reduce_norm", "all")),
+    "d3_r1_w8": (dict(norm_depth=3, block_rows=1, copy_unroll=8, num_warps=8), ("reduce_norm", "all")),
 }
 
 
@@ -122,6 +128,9 @@ def _points(args, H: int, S: int, N: int):
                 if args.sweep_only and name not in args.sweep_only:
                     continue
                 yield f"push:{name}", dataclasses.replace(bases[over.get("norm_prefetch", True)], **over), phases
+                if args.sweep_ring and over.get("norm_prefetch", True):  # the same knob, output in the ring
+                    yield (f"push_ring:{name}",
+                           dataclasses.replace(launch.push_meta(H, S, ctas, N, 2, 2, ring=True), **over), phases)
 
 
 def run(args) -> list:
@@ -143,7 +152,7 @@ def run(args) -> list:
         outs = {}  # per output kind: fresh tensors, or the ring slot views (push_ring)
         timeouts_before = 0
         for design, m, phases in _points(args, H, S, N):
-            ring = design == "push_ring"
+            ring = design.split(":")[0] == "push_ring"
             for phase in phases:
                 def call(m=m, phase=phase, ring=ring):
                     outs[ring] = push_allreduce_rmsnorm(
@@ -165,13 +174,13 @@ def run(args) -> list:
                                  hidden=H, world_size=N, residual="sharded" if sharded else "full",
                                  block_rows=m.block_rows, copy_unroll=m.copy_unroll,
                                  copy_stages=m.copy_stages, norm_unroll=m.norm_unroll,
-                                 norm_stages=m.norm_stages, norm_prefetch=int(m.norm_prefetch),
+                                 norm_stages=m.norm_stages, norm_prefetch=int(m.norm_prefetch), norm_depth=m.norm_depth,
                                  num_warps=m.num_warps, bytes=nbytes, us=round(us, 2),
                                  gbps_per_cta=round(gbps, 1), timeouts=timeouts - timeouts_before))
                 timeouts_before = timeouts
                 print(f"{design:18s} H={H:5d} ctas={m.grid:2d} rows={m.block_rows} "
                       f"w{m.num_warps} copy u{m.copy_unroll}/s{m.copy_stages} "
-                      f"norm {'prefetch' if m.norm_prefetch else f'u{m.norm_unroll}/s{m.norm_stages}'} "
+                      f"norm {(f'prefetch d{m.norm_depth}' if m.norm_depth else 'prefetch') if m.norm_prefetch else f'u{m.norm_unroll}/s{m.norm_stages}'} "
                       f"{phase:12s} {us:9.1f} us {gbps:7.1f} GB/s/CTA"
                       + (f"  {rows[-1]['timeouts']} BARRIER TIMEOUTS" if rows[-1]["timeouts"] else ""),
                       flush=True)
@@ -234,6 +243,8 @@ def main() -> None:
     ap.add_argument("--sweep-hidden", type=int, nargs="+", default=[4096], help="hidden sizes of the sweep")
     ap.add_argument("--sweep-ctas", type=int, nargs="+", default=[8], help="CTA counts of the sweep")
     ap.add_argument("--sweep-only", nargs="+", choices=list(SWEEP), help="only these SWEEP variants")
+    ap.add_argument("--sweep-ring", action="store_true",
+                    help="also time each prefetched-loop SWEEP variant with the output in the ring (push_ring:<knob>)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)

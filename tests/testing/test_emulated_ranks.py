@@ -87,6 +87,11 @@ def _shapes(c, world: int, out_slot: int, dt, rdt):
         # 1-row tiles: several unrolled iterations per CTA, so a wrong next-tile offset shows
         yield "prefetch_unroll2", dataclasses.replace(launch.push_meta(*args), block_rows=1, norm_unroll=2,
                                                       norm_prefetch=True)
+        # the loop unrolled over 2 / 3 register buffers (the last unrolled iteration of a CTA
+        # runs past its shard: masked)
+        for depth in (2, 3):
+            yield f"prefetch_depth{depth}", dataclasses.replace(launch.push_meta(*args), block_rows=1,
+                                                                norm_prefetch=True, norm_depth=depth)
 
 
 def _main(world: int) -> int:

@@ -42,6 +42,9 @@ class LaunchConfig:
     num_warps: int
     # the next row block's loads go to registers before this block's math (num_stages unused)
     prefetch: bool = False
+    # with prefetch: 1 = the next block's loads carried by the loop; 2 or 3 = the loop unrolled
+    # over that many register buffers (block i + depth - 1 loaded before block i's math)
+    depth: int = 1
 
 
 def launch_config(hidden: int, block_rows: Optional[int] = None, num_stages: Optional[int] = None,
@@ -155,7 +158,7 @@ if HAS_TRITON:
         NUM_STAGES: tl.constexpr, RES_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, MID_DTYPE: tl.constexpr,
         HAS_MID: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
         HAS_WEIGHT: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr = False,
-        SLOTS_P2: tl.constexpr = 1,
+        SLOTS_P2: tl.constexpr = 1, DEPTH: tl.constexpr = 1,
     ):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
@@ -167,7 +170,44 @@ if HAS_TRITON:
         if HAS_SCALE:
             s = tl.load(SCALE).to(tl.float32)
         num_blocks = (n_res_rows + BLOCK_ROWS - 1) // BLOCK_ROWS
-        if PREFETCH:
+        if PREFETCH and DEPTH >= 2:
+            ax, arecv, ares = _block_loads(X, RECV, RES_IN, pid, n_valid, stride_x_row, stride_recv_slot,
+                                           stride_res_in_row, cols, cmask, NUM_SLOTS, SLOTS_P2, HIDDEN,
+                                           BLOCK_ROWS, HAS_RESIDUAL)
+            if DEPTH == 3:
+                bx, brecv, bres = _block_loads(X, RECV, RES_IN, pid + nprog, n_valid, stride_x_row,
+                                               stride_recv_slot, stride_res_in_row, cols, cmask, NUM_SLOTS,
+                                               SLOTS_P2, HIDDEN, BLOCK_ROWS, HAS_RESIDUAL)
+            blk = pid
+            while blk < num_blocks:
+                if DEPTH == 2:
+                    bx, brecv, bres = _block_loads(X, RECV, RES_IN, blk + nprog, n_valid, stride_x_row,
+                                                   stride_recv_slot, stride_res_in_row, cols, cmask, NUM_SLOTS,
+                                                   SLOTS_P2, HIDDEN, BLOCK_ROWS, HAS_RESIDUAL)
+                else:
+                    cx, crecv, cres = _block_loads(X, RECV, RES_IN, blk + 2 * nprog, n_valid, stride_x_row,
+                                                   stride_recv_slot, stride_res_in_row, cols, cmask, NUM_SLOTS,
+                                                   SLOTS_P2, HIDDEN, BLOCK_ROWS, HAS_RESIDUAL)
+                _block_finish(ax, arecv, ares, NORMED, RES_OUT, blk, n_valid, n_res_rows, stride_normed_row,
+                              stride_res_out_row, eps, w, b, s, cols, cmask, BLOCK_ROWS, HIDDEN, RES_DTYPE,
+                              OUT_DTYPE, MID_DTYPE, HAS_MID, HAS_SCALE, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT)
+                ax, arecv, ares = _block_loads(X, RECV, RES_IN, blk + DEPTH * nprog, n_valid, stride_x_row,
+                                               stride_recv_slot, stride_res_in_row, cols, cmask, NUM_SLOTS,
+                                               SLOTS_P2, HIDDEN, BLOCK_ROWS, HAS_RESIDUAL)
+                _block_finish(bx, brecv, bres, NORMED, RES_OUT, blk + nprog, n_valid, n_res_rows,
+                              stride_normed_row, stride_res_out_row, eps, w, b, s, cols, cmask, BLOCK_ROWS,
+                              HIDDEN, RES_DTYPE, OUT_DTYPE, MID_DTYPE, HAS_MID, HAS_SCALE, HAS_BIAS,
+                              HAS_RESIDUAL, HAS_WEIGHT)
+                if DEPTH == 3:
+                    bx, brecv, bres = _block_loads(X, RECV, RES_IN, blk + 4 * nprog, n_valid, stride_x_row,
+                                                   stride_recv_slot, stride_res_in_row, cols, cmask, NUM_SLOTS,
+                                                   SLOTS_P2, HIDDEN, BLOCK_ROWS, HAS_RESIDUAL)
+                    _block_finish(cx, crecv, cres, NORMED, RES_OUT, blk + 2 * nprog, n_valid, n_res_rows,
+                                  stride_normed_row, stride_res_out_row, eps, w, b, s, cols, cmask, BLOCK_ROWS,
+                                  HIDDEN, RES_DTYPE, OUT_DTYPE, MID_DTYPE, HAS_MID, HAS_SCALE, HAS_BIAS,
+                                  HAS_RESIDUAL, HAS_WEIGHT)
+                blk += DEPTH * nprog
+        elif PREFETCH:
             # Registers double-buffered: block blk + nprog's loads are issued before block blk's
             # math and stores (no shared-memory staging, no per-stage wait and barrier).
             nx, nrecv, nres = _block_loads(X, RECV, RES_IN, pid, n_valid, stride_x_row, stride_recv_slot,
@@ -291,7 +331,7 @@ def _launch(x, recv, residual, bias, weight, scale, normed, res_out, n_valid, n_
         MID_DTYPE=tl_dtype(mid_dtype if mid_dtype is not None else torch.float32),
         HAS_MID=mid_dtype is not None, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, INTERPRET=interpreting(),
-        PREFETCH=bool(cfg.prefetch), SLOTS_P2=next_pow2(max(1, slots)),
+        PREFETCH=bool(cfg.prefetch), SLOTS_P2=next_pow2(max(1, slots)), DEPTH=int(cfg.depth),
         num_warps=cfg.num_warps, num_stages=1, **({"grid": (grid,)} if preload else {}))
     if preload and hasattr(compiled, "_init_handles"):
         compiled._init_handles()  # cuModuleLoadData + cuModuleGetFunction now, not at the launch

@@ -54,6 +54,10 @@ class LaunchMeta:
     # push kernel: the add+norm loop loads the next tile into registers before this tile's math
     # (True), or runs the tl.range pipeline of norm_stages stages (False)
     norm_prefetch: bool = False
+    # push kernel, with norm_prefetch: 0 = the next tile's loads carried by the loop; 2 or 3 =
+    # the loop unrolled over that many register buffers (tile i + depth - 1 loaded before tile
+    # i's math, into registers no live value holds)
+    norm_depth: int = 0
 
 
 def _warps_and_rows(hidden: int, rows_per_rank: int, comm_ctas: int, r_max: int,
@@ -203,6 +207,7 @@ def push_constexprs(meta: LaunchMeta, **kw) -> dict:
                 COPY_UNROLL=meta.copy_unroll, COPY_STAGES=meta.copy_stages,
                 NORM_UNROLL=meta.norm_unroll, NORM_STAGES=meta.norm_stages,
                 NORM_PREFETCH=bool(meta.norm_prefetch),
+                NORM_DEPTH=int(meta.norm_depth) if meta.norm_prefetch else 0,
                 PEERS_P2=next_pow2(max(1, int(kw["world_size"]) - 1)))
 
 

@@ -151,6 +151,27 @@ if HAS_TRITON:
             out_at = slot
         tl.store(out_peers[:, None, None] + out_at[None, :, :], normed[None, :, :], mask=to_peers)
 
+    @triton.jit
+    def _norm_tile_store(cx, cparts, cres, j0, out_peers, res_peers, peer_ok, bias, w, eps, NORMED,
+                         RESIDUAL_OUT, col_ok, cols, rank, slot_rows, rows_per_rank, num_tokens,
+                         step, stride_out_row, stride_res_out_row, out_ring_row,
+                         HIDDEN: tl.constexpr, BLOCK_ROWS: tl.constexpr, UNROLL: tl.constexpr,
+                         RES_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, MID_DTYPE: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                         HAS_WEIGHT: tl.constexpr, HAS_MID: tl.constexpr,
+                         RESIDUAL_OUT_SHARDED: tl.constexpr, OUT_IN_REGION: tl.constexpr,
+                         IDX64: tl.constexpr):
+        j, rows, ok = shard_rows(j0, BLOCK_ROWS, rank, rows_per_rank, num_tokens, UNROLL, step,
+                                 IDX64)
+        m = ok[:, None] & col_ok[None, :]
+        acc = cx.to(tl.float32) + tl.sum(cparts.to(tl.float32), axis=0)
+        res, normed = norm_tile(acc, cres, bias, w, eps, HIDDEN, RES_DTYPE, OUT_DTYPE, MID_DTYPE,
+                                HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, HAS_MID)
+        _norm_store(out_peers, res_peers, peer_ok, NORMED, RESIDUAL_OUT, res, normed, j, rows, m,
+                    col_ok, cols, rank, slot_rows, rows_per_rank, stride_out_row,
+                    stride_res_out_row, out_ring_row, HIDDEN, RESIDUAL_OUT_SHARDED, OUT_IN_REGION,
+                    HAS_BIAS)
+
     @triton.jit(do_not_specialize=["num_tokens", "rows_per_rank", "slot_rows", "rank", "pad_offset"])
     def push_allreduce_rmsnorm_kernel(
         PTR_TABLE,  # *i64: in[N], out[N], res[N], pad[N] addresses (regions used as [N, slot_rows, H])
@@ -171,7 +192,7 @@ if HAS_TRITON:
         HAS_WEIGHT: tl.constexpr, HAS_MID: tl.constexpr, RESIDUAL_IN_SHARDED: tl.constexpr,
         RESIDUAL_OUT_SHARDED: tl.constexpr, SPIN_LIMIT: tl.constexpr, FENCE_ASM: tl.constexpr,
         OUT_IN_REGION: tl.constexpr = False, PHASES: tl.constexpr = 7, SYNC: tl.constexpr = True,
-        IDX64: tl.constexpr = True,
+        IDX64: tl.constexpr = True, NORM_DEPTH: tl.constexpr = 0,
     ):
         pid = tl.program_id(0)
         step = tl.num_programs(0) * BLOCK_ROWS
@@ -199,7 +220,64 @@ if HAS_TRITON:
             bias, w = norm_params(BIAS, WEIGHT, cols, col_ok, weight_offset, HAS_BIAS, HAS_WEIGHT)
             out_peers, peer_ok = _peer_regions(PTR_TABLE, 1, rank, OUT_DTYPE, WORLD_SIZE, PEERS_P2)
             res_peers, _ = _peer_regions(PTR_TABLE, 2, rank, RES_DTYPE, WORLD_SIZE, PEERS_P2)
-            if NORM_PREFETCH:
+            if NORM_DEPTH >= 2:
+                na = step * NORM_UNROLL
+                j1 = pid * BLOCK_ROWS
+                ax, aparts, ares = _norm_loads(
+                    X, stride_x_row, in_base, RESIDUAL, stride_res_row, j1, rank,
+                    slot_rows, rows_per_rank, num_tokens, step, cols, col_ok, HIDDEN, BLOCK_ROWS,
+                    NORM_UNROLL, WORLD_SIZE, PEERS_P2, HAS_RESIDUAL, RESIDUAL_IN_SHARDED, IDX64)
+                if NORM_DEPTH == 3:
+                    bx, bparts, bres = _norm_loads(
+                        X, stride_x_row, in_base, RESIDUAL, stride_res_row, j1 + na, rank,
+                        slot_rows, rows_per_rank, num_tokens, step, cols, col_ok, HIDDEN, BLOCK_ROWS,
+                        NORM_UNROLL, WORLD_SIZE, PEERS_P2, HAS_RESIDUAL, RESIDUAL_IN_SHARDED, IDX64)
+                for j0 in tl.range(j1, rows_per_rank, NORM_DEPTH * na, num_stages=1):
+                    if NORM_DEPTH == 2:
+                        bx, bparts, bres = _norm_loads(
+                            X, stride_x_row, in_base, RESIDUAL, stride_res_row, j0 + na,
+                            rank, slot_rows, rows_per_rank, num_tokens, step, cols, col_ok, HIDDEN,
+                            BLOCK_ROWS, NORM_UNROLL, WORLD_SIZE, PEERS_P2, HAS_RESIDUAL,
+                            RESIDUAL_IN_SHARDED, IDX64)
+                    else:
+                        cx, cparts, cres = _norm_loads(
+                            X, stride_x_row, in_base, RESIDUAL, stride_res_row, j0 + 2 * na,
+                            rank, slot_rows, rows_per_rank, num_tokens, step, cols, col_ok, HIDDEN,
+                            BLOCK_ROWS, NORM_UNROLL, WORLD_SIZE, PEERS_P2, HAS_RESIDUAL,
+                            RESIDUAL_IN_SHARDED, IDX64)
+                    _norm_tile_store(ax, aparts, ares, j0, out_peers, res_peers, peer_ok, bias, w,
+                                     eps, NORMED, RESIDUAL_OUT, col_ok, cols, rank, slot_rows,
+                                     rows_per_rank, num_tokens, step, stride_out_row,
+                                     stride_res_out_row, out_ring_row, HIDDEN, BLOCK_ROWS,
+                                     NORM_UNROLL, RES_DTYPE, OUT_DTYPE, MID_DTYPE, HAS_BIAS,
+                                     HAS_RESIDUAL, HAS_WEIGHT, HAS_MID, RESIDUAL_OUT_SHARDED,
+                                     OUT_IN_REGION, IDX64)
+                    ax, aparts, ares = _norm_loads(
+                        X, stride_x_row, in_base, RESIDUAL, stride_res_row, j0 + NORM_DEPTH * na,
+                        rank, slot_rows, rows_per_rank, num_tokens, step, cols, col_ok, HIDDEN,
+                        BLOCK_ROWS, NORM_UNROLL, WORLD_SIZE, PEERS_P2, HAS_RESIDUAL,
+                        RESIDUAL_IN_SHARDED, IDX64)
+                    _norm_tile_store(bx, bparts, bres, j0 + na, out_peers, res_peers, peer_ok, bias,
+                                     w, eps, NORMED, RESIDUAL_OUT, col_ok, cols, rank, slot_rows,
+                                     rows_per_rank, num_tokens, step, stride_out_row,
+                                     stride_res_out_row, out_ring_row, HIDDEN, BLOCK_ROWS,
+                                     NORM_UNROLL, RES_DTYPE, OUT_DTYPE, MID_DTYPE, HAS_BIAS,
+                                     HAS_RESIDUAL, HAS_WEIGHT, HAS_MID, RESIDUAL_OUT_SHARDED,
+                                     OUT_IN_REGION, IDX64)
+                    if NORM_DEPTH == 3:
+                        bx, bparts, bres = _norm_loads(
+                            X, stride_x_row, in_base, RESIDUAL, stride_res_row, j0 + 4 * na,
+                            rank, slot_rows, rows_per_rank, num_tokens, step, cols, col_ok, HIDDEN,
+                            BLOCK_ROWS, NORM_UNROLL, WORLD_SIZE, PEERS_P2, HAS_RESIDUAL,
+                            RESIDUAL_IN_SHARDED, IDX64)
+                        _norm_tile_store(cx, cparts, cres, j0 + 2 * na, out_peers, res_peers,
+                                         peer_ok, bias, w, eps, NORMED, RESIDUAL_OUT, col_ok, cols,
+                                         rank, slot_rows, rows_per_rank, num_tokens, step,
+                                         stride_out_row, stride_res_out_row, out_ring_row, HIDDEN,
+                                         BLOCK_ROWS, NORM_UNROLL, RES_DTYPE, OUT_DTYPE, MID_DTYPE,
+                                         HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, HAS_MID,
+                                         RESIDUAL_OUT_SHARDED, OUT_IN_REGION, IDX64)
+            elif NORM_PREFETCH:
                 # Registers double-buffered: the next tile's loads are issued before this tile's
                 # math and stores, so they are in flight meanwhile (no shared-memory staging, no
                 # wait and CTA barrier per stage as in the tl.range pipeline below).
