@@ -37,8 +37,8 @@ SWEEP = [(1, 1, 8), (2, 1, 8), (4, 1, 16), (1, 3, 8), (2, 2, 8), (2, 3, 8), (2, 
          (4, 3, 16), (2, 3, 16), (1, 4, 4), (8, 2, 16),
          # (rows, -, warps, prefetch): the register-prefetched loop (the push kernel's, session 5)
          (1, 1, 8, True), (2, 1, 8, True), (1, 1, 16, True), (2, 1, 16, True), (4, 1, 16, True),
-         # (rows, -, warps, prefetch, depth): the loop unrolled over 2 or 3 register buffers (session 7)
-         (1, 1, 16, True, 2), (1, 1, 16, True, 3), (2, 1, 16, True, 2), (1, 1, 8, True, 3)]
+         # (rows, -, warps, -, chunk, depth): one warp per row, chunks loaded `depth` ahead (session 7)
+         (8, 1, 8, False, 256, 8), (8, 1, 8, False, 256, 6), (8, 1, 8, False, 256, 4), (4, 1, 4, False, 256, 8)]
 
 
 def main() -> None:
@@ -96,7 +96,7 @@ def main() -> None:
                 except Exception as e:  # e.g. out of shared memory for deep pipelines of wide rows
                     print(f"config {cfg} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     continue
-                emit(f"ce_cfg:r{r_}{(f'p{cfg.depth}' if cfg.depth > 1 else 'p') if cfg.prefetch else f's{s_}'}w{w_}", "addnorm", args.sweep_ctas, H, us,
+                emit(f"ce_cfg:r{r_}{f'c{cfg.chunk}d{cfg.depth}' if cfg.chunk else 'p' if cfg.prefetch else f's{s_}'}w{w_}", "addnorm", args.sweep_ctas, H, us,
                      nbytes)
                 if best_us is None or us < best_us:
                     best_cfg, best_us = cfg, us

@@ -53,12 +53,13 @@ os.environ.setdefault("WEAVE_SYMM_SPIN_LIMIT", str(1 << 24))
 
 COLUMNS = ["gpu", "torch", "triton", "git_commit", "date", "design", "phase", "ctas", "rows_per_rank",
            "hidden", "world_size", "residual", "block_rows", "copy_unroll", "copy_stages",
-           "norm_unroll", "norm_stages", "norm_prefetch", "norm_depth", "num_warps", "bytes", "us", "gbps_per_cta", "timeouts"]
+           "norm_unroll", "norm_stages", "norm_prefetch", "norm_chunk", "norm_depth", "num_warps", "bytes", "us", "gbps_per_cta", "timeouts"]
 PHASES = {"scatter": 1, "reduce_norm": 2, "gather": 4, "all": 7, "barriers": 0,
           "scatter+norm": 3, "norm+gather": 6}  # pairs: how the phases interact
 TARGET = 80.0
 #: ``--sweep`` (``--sweep-ctas``, default 8; ``--sweep-hidden``, default 4096): the push kernel with one knob changed, on the phases the knob affects
 #: (name: (LaunchMeta overrides, phases)); block_rows changes apply to every phase's tiles.
+_PREFETCH = dict(norm_chunk=0, norm_unroll=1, norm_prefetch=True, num_warps=16)
 SWEEP = {  # the first entries time knobs of the copy phases, then of the pipelined add+norm loop
     "copy_u1": (dict(copy_unroll=1), ("scatter", "gather")),
     "copy_u2": (dict(copy_unroll=2), ("scatter", "gather")),
@@ -78,18 +79,14 @@ SWEEP = {  # the first entries time knobs of the copy phases, then of the pipeli
     "norm_w4_r1_s4": (dict(num_warps=4, block_rows=1, norm_stages=4, norm_prefetch=False), ("reduce_norm",)),
     # the same 8 warps in every phase (the warp count is the launch's, not one loop's)
     "w8_all": (dict(num_warps=8, norm_prefetch=False), ("scatter", "reduce_norm", "gather", "all")),
-    # the register-prefetched add+norm loop (push's default) at other warp counts / tile rows
-    "pf_w4": (dict(num_warps=4), ("reduce_norm",)),
-    "pf_w8": (dict(num_warps=8), ("reduce_norm",)),
-    "pf_w16": (dict(num_warps=16), ("reduce_norm",)),
-    "pf_r1": (dict(block_rows=1), ("reduce_norm",)),
-    "pf_w16_all": (dict(num_warps=16), ("scatter", "reduce_norm", "gather", "all")),
-    # the prefetched loop unrolled over 2 or 3 register buffers (norm_depth; session 7), with the
-    # copy phases' bytes in flight kept at 8 x 8 KB where the tile is one row
-    "d2_r1": (dict(norm_depth=2, block_rows=1, copy_unroll=8), ("reduce_norm", "all")),
-    "d3_r1": (dict(norm_depth=3, block_rows=1, copy_unroll=8), ("reduce_norm", "all")),
-    "d2_r2": (dict(norm_depth=2), ("reduce_norm", "all")),
-    "d3_r1_w8": (dict(norm_depth=3, block_rows=1, copy_unroll=8, num_warps=8), ("reduce_norm", "all")),
+    # the register-prefetched add+norm loop (push's default before session 7: a [2, H] tile over
+    # 16 warps, the next tile loaded before this one's math) and at other warp counts / tile rows
+    "prefetch": (dict(_PREFETCH), ("scatter", "reduce_norm", "gather", "all")),
+    "pf_w8": (dict(_PREFETCH, num_warps=8), ("reduce_norm",)),
+    "pf_r1": (dict(_PREFETCH, block_rows=1), ("reduce_norm",)),
+    # the one-warp-per-row loop (push's default at 2 ranks, 2048 <= H <= 4096) with fewer chunks ahead
+    "rw_d6": (dict(norm_depth=6), ("reduce_norm", "all")),
+    "rw_d4": (dict(norm_depth=4), ("reduce_norm", "all")),
 }
 
 
@@ -174,13 +171,14 @@ def run(args) -> list:
                                  hidden=H, world_size=N, residual="sharded" if sharded else "full",
                                  block_rows=m.block_rows, copy_unroll=m.copy_unroll,
                                  copy_stages=m.copy_stages, norm_unroll=m.norm_unroll,
-                                 norm_stages=m.norm_stages, norm_prefetch=int(m.norm_prefetch), norm_depth=m.norm_depth,
+                                 norm_stages=m.norm_stages, norm_prefetch=int(m.norm_prefetch), norm_chunk=m.norm_chunk,
+                                 norm_depth=m.norm_depth,
                                  num_warps=m.num_warps, bytes=nbytes, us=round(us, 2),
                                  gbps_per_cta=round(gbps, 1), timeouts=timeouts - timeouts_before))
                 timeouts_before = timeouts
                 print(f"{design:18s} H={H:5d} ctas={m.grid:2d} rows={m.block_rows} "
                       f"w{m.num_warps} copy u{m.copy_unroll}/s{m.copy_stages} "
-                      f"norm {(f'prefetch d{m.norm_depth}' if m.norm_depth else 'prefetch') if m.norm_prefetch else f'u{m.norm_unroll}/s{m.norm_stages}'} "
+                      f"norm {f'rowwise c{m.norm_chunk}/d{m.norm_depth}' if m.norm_chunk else 'prefetch' if m.norm_prefetch else f'u{m.norm_unroll}/s{m.norm_stages}'} "
                       f"{phase:12s} {us:9.1f} us {gbps:7.1f} GB/s/CTA"
                       + (f"  {rows[-1]['timeouts']} BARRIER TIMEOUTS" if rows[-1]["timeouts"] else ""),
                       flush=True)

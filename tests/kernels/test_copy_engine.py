@@ -205,11 +205,11 @@ g = torch.Generator().manual_seed(seed)
 for H, n, slots, cfg in [(40, 5, 1, addnorm.LaunchConfig(2, 3, 4)), (96, 9, 2, addnorm.LaunchConfig(4, 2, 4)),
                          (24, 3, 0, addnorm.LaunchConfig(1, 1, 4)), (40, 5, 1, addnorm.LaunchConfig(2, 1, 4, True)),
                          (96, 9, 3, addnorm.LaunchConfig(4, 1, 4, True)), (24, 3, 0, addnorm.LaunchConfig(1, 1, 4, True)),
-                         # the loop unrolled over 2 / 3 register buffers: 7 row blocks on 2 CTAs, so
-                         # the last unrolled iteration of each CTA runs past the end (masked)
-                         (40, 5, 1, addnorm.LaunchConfig(1, 1, 4, True, 2)),
-                         (96, 5, 2, addnorm.LaunchConfig(1, 1, 4, True, 3)),
-                         (24, 9, 0, addnorm.LaunchConfig(2, 1, 4, True, 3))]:
+                         # one warp per row (rownorm.rowwise_group): column chunks loaded ahead,
+                         # H=40 / 24 with a half-masked last chunk, a lookahead past the last chunk
+                         (40, 5, 1, addnorm.LaunchConfig(2, 1, 4, chunk=16, depth=2)),
+                         (96, 9, 2, addnorm.LaunchConfig(4, 1, 4, chunk=32, depth=1)),
+                         (24, 9, 0, addnorm.LaunchConfig(2, 1, 4, chunk=16, depth=3))]:
     x = torch.randn(n + 2, H, generator=g).to(torch.bfloat16)[1:n + 1]
     recv = torch.randn(slots, n + 3, H, generator=g).to(torch.bfloat16) if slots else None
     res = torch.randn(n, H, generator=g).to(torch.bfloat16)

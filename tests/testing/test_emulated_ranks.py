@@ -87,11 +87,13 @@ def _shapes(c, world: int, out_slot: int, dt, rdt):
         # 1-row tiles: several unrolled iterations per CTA, so a wrong next-tile offset shows
         yield "prefetch_unroll2", dataclasses.replace(launch.push_meta(*args), block_rows=1, norm_unroll=2,
                                                       norm_prefetch=True)
-        # the loop unrolled over 2 / 3 register buffers (the last unrolled iteration of a CTA
-        # runs past its shard: masked)
-        for depth in (2, 3):
-            yield f"prefetch_depth{depth}", dataclasses.replace(launch.push_meta(*args), block_rows=1,
-                                                                norm_prefetch=True, norm_depth=depth)
+        # one warp per row (rownorm.rowwise_group): groups of 2 x 1-row tiles in 16-column
+        # chunks loaded 2 ahead (H=48: 3 chunks), and 32-column chunks (H=48: the last one
+        # half masked) loaded 1 ahead
+        yield "rowwise_c16", dataclasses.replace(launch.push_meta(*args), block_rows=1, norm_unroll=2,
+                                                 norm_chunk=16, norm_depth=2)
+        yield "rowwise_c32", dataclasses.replace(launch.push_meta(*args), block_rows=1, norm_unroll=2,
+                                                 norm_chunk=32, norm_depth=1)
 
 
 def _main(world: int) -> int:

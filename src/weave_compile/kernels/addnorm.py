@@ -28,9 +28,11 @@ import torch
 log = logging.getLogger(__name__)
 
 from .common import HAS_TRITON, MAX_HIDDEN, interpreting, next_pow2, prefetch_fits, tl, tl_dtype, triton
+from .launch import ROWWISE_CHUNK, ROWWISE_DEPTH, ROWWISE_WARPS, rowwise_fits
 
 if HAS_TRITON:
-    from .rownorm import add_norm, norm_params, norm_tile, store_residual_shard
+    from .rownorm import (add_norm, norm_params, norm_tile, rowwise_first_loads, rowwise_group,
+                          store_residual_shard)
 
 
 
@@ -42,8 +44,9 @@ class LaunchConfig:
     num_warps: int
     # the next row block's loads go to registers before this block's math (num_stages unused)
     prefetch: bool = False
-    # with prefetch: 1 = the next block's loads carried by the loop; 2 or 3 = the loop unrolled
-    # over that many register buffers (block i + depth - 1 loaded before block i's math)
+    # > 0: one warp per row (rownorm.rowwise_group; block_rows = num_warps rows per block) in
+    # chunks of this many columns, loaded `depth` chunks ahead (num_stages, prefetch unused)
+    chunk: int = 0
     depth: int = 1
 
 
@@ -63,6 +66,9 @@ def launch_config(hidden: int, block_rows: Optional[int] = None, num_stages: Opt
     with fewer stages (launcher).
     """
     block_h = next_pow2(hidden)
+    if (block_rows, num_stages, num_warps, prefetch) == (None,) * 4 and rowwise_fits(
+            hidden, slots, elem_bytes, elem_bytes):
+        return LaunchConfig(ROWWISE_WARPS, 1, ROWWISE_WARPS, False, ROWWISE_CHUNK, ROWWISE_DEPTH)
     pf_rows = block_rows or max(1, min(8, 8192 // block_h))
     pf_warps = num_warps or max(1, min(16, pf_rows * block_h // 128))  # >= 4 elements per thread
     if prefetch is None:
@@ -131,6 +137,21 @@ if HAS_TRITON:
         return x, recv, res
 
     @triton.jit
+    def _rowwise_inputs(X, RECV, RES_IN, blk, n_valid, stride_x_row, stride_recv_slot, stride_res_in_row,
+                        NUM_SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr, HIDDEN: tl.constexpr,
+                        BLOCK_ROWS: tl.constexpr):
+        """Row pointers and masks of row block ``blk``'s inputs for
+        :func:`weave_compile.kernels.rownorm.rowwise_group`: x [R, 1], the slots [SLOTS_P2, R, 1]
+        (padding masked), the residual [R, 1]."""
+        rows = (blk * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+        ok = rows < n_valid
+        k = tl.arange(0, SLOTS_P2)
+        PR = RECV + (k[:, None] * stride_recv_slot + rows[None, :] * HIDDEN)[:, :, None]
+        pm = ((k < NUM_SLOTS)[:, None] & ok[None, :])[:, :, None]
+        return (X + (rows * stride_x_row)[:, None], PR, RES_IN + (rows * stride_res_in_row)[:, None],
+                ok[:, None], pm)
+
+    @triton.jit
     def _block_finish(x, recv, res_in, NORMED, RES_OUT, blk, n_valid, n_res_rows, stride_normed_row,
                       stride_res_out_row, eps, w, b, s, cols, cmask, BLOCK_ROWS: tl.constexpr,
                       HIDDEN: tl.constexpr, RES_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
@@ -158,55 +179,47 @@ if HAS_TRITON:
         NUM_STAGES: tl.constexpr, RES_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, MID_DTYPE: tl.constexpr,
         HAS_MID: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
         HAS_WEIGHT: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr = False,
-        SLOTS_P2: tl.constexpr = 1, DEPTH: tl.constexpr = 1,
+        SLOTS_P2: tl.constexpr = 1, CHUNK: tl.constexpr = 0, DEPTH: tl.constexpr = 1,
     ):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         cols = tl.arange(0, BLOCK_H)
         cmask = cols < HIDDEN
-        # Loop invariants, loaded once per CTA.
-        b, w = norm_params(BIAS, WEIGHT, cols, cmask, weight_offset, HAS_BIAS, HAS_WEIGHT)
+        b_ptr = BIAS
+        w_ptr = WEIGHT
+        # Loop invariants, loaded once per CTA (the one-warp-per-row loop re-reads them per chunk).
+        if CHUNK == 0:
+            b, w = norm_params(BIAS, WEIGHT, cols, cmask, weight_offset, HAS_BIAS, HAS_WEIGHT)
         s = 1.0
         if HAS_SCALE:
             s = tl.load(SCALE).to(tl.float32)
         num_blocks = (n_res_rows + BLOCK_ROWS - 1) // BLOCK_ROWS
-        if PREFETCH and DEPTH >= 2:
-            ax, arecv, ares = _block_loads(X, RECV, RES_IN, pid, n_valid, stride_x_row, stride_recv_slot,
-                                           stride_res_in_row, cols, cmask, NUM_SLOTS, SLOTS_P2, HIDDEN,
-                                           BLOCK_ROWS, HAS_RESIDUAL)
-            if DEPTH == 3:
-                bx, brecv, bres = _block_loads(X, RECV, RES_IN, pid + nprog, n_valid, stride_x_row,
-                                               stride_recv_slot, stride_res_in_row, cols, cmask, NUM_SLOTS,
-                                               SLOTS_P2, HIDDEN, BLOCK_ROWS, HAS_RESIDUAL)
+        if CHUNK > 0:
+            # One warp per row (rownorm.rowwise_group): row blocks of BLOCK_ROWS rows in chunks
+            # of CHUNK columns, loaded DEPTH chunks ahead.
+            c = tl.arange(0, CHUNK)
+            XR, PR, RR, m, pm = _rowwise_inputs(X, RECV, RES_IN, pid, n_valid, stride_x_row,
+                                                stride_recv_slot, stride_res_in_row, NUM_SLOTS,
+                                                SLOTS_P2, HIDDEN, BLOCK_ROWS)
+            pre = rowwise_first_loads(XR, PR, RR, m, pm, c, HIDDEN, CHUNK, DEPTH, HAS_RESIDUAL)
             blk = pid
-            while blk < num_blocks:
-                if DEPTH == 2:
-                    bx, brecv, bres = _block_loads(X, RECV, RES_IN, blk + nprog, n_valid, stride_x_row,
-                                                   stride_recv_slot, stride_res_in_row, cols, cmask, NUM_SLOTS,
-                                                   SLOTS_P2, HIDDEN, BLOCK_ROWS, HAS_RESIDUAL)
-                else:
-                    cx, crecv, cres = _block_loads(X, RECV, RES_IN, blk + 2 * nprog, n_valid, stride_x_row,
-                                                   stride_recv_slot, stride_res_in_row, cols, cmask, NUM_SLOTS,
-                                                   SLOTS_P2, HIDDEN, BLOCK_ROWS, HAS_RESIDUAL)
-                _block_finish(ax, arecv, ares, NORMED, RES_OUT, blk, n_valid, n_res_rows, stride_normed_row,
-                              stride_res_out_row, eps, w, b, s, cols, cmask, BLOCK_ROWS, HIDDEN, RES_DTYPE,
-                              OUT_DTYPE, MID_DTYPE, HAS_MID, HAS_SCALE, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT)
-                ax, arecv, ares = _block_loads(X, RECV, RES_IN, blk + DEPTH * nprog, n_valid, stride_x_row,
-                                               stride_recv_slot, stride_res_in_row, cols, cmask, NUM_SLOTS,
-                                               SLOTS_P2, HIDDEN, BLOCK_ROWS, HAS_RESIDUAL)
-                _block_finish(bx, brecv, bres, NORMED, RES_OUT, blk + nprog, n_valid, n_res_rows,
-                              stride_normed_row, stride_res_out_row, eps, w, b, s, cols, cmask, BLOCK_ROWS,
-                              HIDDEN, RES_DTYPE, OUT_DTYPE, MID_DTYPE, HAS_MID, HAS_SCALE, HAS_BIAS,
-                              HAS_RESIDUAL, HAS_WEIGHT)
-                if DEPTH == 3:
-                    bx, brecv, bres = _block_loads(X, RECV, RES_IN, blk + 4 * nprog, n_valid, stride_x_row,
-                                                   stride_recv_slot, stride_res_in_row, cols, cmask, NUM_SLOTS,
-                                                   SLOTS_P2, HIDDEN, BLOCK_ROWS, HAS_RESIDUAL)
-                    _block_finish(cx, crecv, cres, NORMED, RES_OUT, blk + 2 * nprog, n_valid, n_res_rows,
-                                  stride_normed_row, stride_res_out_row, eps, w, b, s, cols, cmask, BLOCK_ROWS,
-                                  HIDDEN, RES_DTYPE, OUT_DTYPE, MID_DTYPE, HAS_MID, HAS_SCALE, HAS_BIAS,
-                                  HAS_RESIDUAL, HAS_WEIGHT)
-                blk += DEPTH * nprog
+            while blk < num_blocks:  # a while loop: the interpreter runs it too
+                XR, PR, RR, m, pm = _rowwise_inputs(X, RECV, RES_IN, blk, n_valid, stride_x_row,
+                                                    stride_recv_slot, stride_res_in_row, NUM_SLOTS,
+                                                    SLOTS_P2, HIDDEN, BLOCK_ROWS)
+                NXR, NPR, NRR, nm, npm = _rowwise_inputs(X, RECV, RES_IN, blk + nprog, n_valid,
+                                                         stride_x_row, stride_recv_slot,
+                                                         stride_res_in_row, NUM_SLOTS, SLOTS_P2,
+                                                         HIDDEN, BLOCK_ROWS)
+                rows = (blk * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+                pre = rowwise_group(
+                    pre, XR, PR, RR, m, pm, NXR, NPR, NRR, nm, npm,
+                    RES_OUT + (rows * stride_res_out_row)[:, None], (rows < n_res_rows)[:, None],
+                    RES_OUT, m, NORMED + (rows * stride_normed_row)[:, None], NORMED, m, b_ptr,
+                    w_ptr, s, eps, weight_offset, c, BLOCK_ROWS, HIDDEN, CHUNK, DEPTH, RES_DTYPE,
+                    OUT_DTYPE, MID_DTYPE, HAS_SCALE, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, HAS_MID,
+                    HAS_BIAS or HAS_SCALE, False, False)
+                blk += nprog
         elif PREFETCH:
             # Registers double-buffered: block blk + nprog's loads are issued before block blk's
             # math and stores (no shared-memory staging, no per-stage wait and barrier).
@@ -331,7 +344,8 @@ def _launch(x, recv, residual, bias, weight, scale, normed, res_out, n_valid, n_
         MID_DTYPE=tl_dtype(mid_dtype if mid_dtype is not None else torch.float32),
         HAS_MID=mid_dtype is not None, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, INTERPRET=interpreting(),
-        PREFETCH=bool(cfg.prefetch), SLOTS_P2=next_pow2(max(1, slots)), DEPTH=int(cfg.depth),
+        PREFETCH=bool(cfg.prefetch), SLOTS_P2=next_pow2(max(1, slots)), CHUNK=int(cfg.chunk),
+        DEPTH=int(cfg.depth),
         num_warps=cfg.num_warps, num_stages=1, **({"grid": (grid,)} if preload else {}))
     if preload and hasattr(compiled, "_init_handles"):
         compiled._init_handles()  # cuModuleLoadData + cuModuleGetFunction now, not at the launch

@@ -54,10 +54,11 @@ class LaunchMeta:
     # push kernel: the add+norm loop loads the next tile into registers before this tile's math
     # (True), or runs the tl.range pipeline of norm_stages stages (False)
     norm_prefetch: bool = False
-    # push kernel, with norm_prefetch: 0 = the next tile's loads carried by the loop; 2 or 3 =
-    # the loop unrolled over that many register buffers (tile i + depth - 1 loaded before tile
-    # i's math, into registers no live value holds)
-    norm_depth: int = 0
+    # push kernel: > 0 = the add+norm loop runs one warp per row (rownorm.rowwise_group) over
+    # groups of block_rows x norm_unroll rows, in chunks of norm_chunk columns loaded
+    # norm_depth chunks ahead of their math (norm_prefetch and norm_stages then unused)
+    norm_chunk: int = 0
+    norm_depth: int = 1
 
 
 def _warps_and_rows(hidden: int, rows_per_rank: int, comm_ctas: int, r_max: int,
@@ -83,6 +84,19 @@ def launch_meta(hidden: int, rows_per_rank: int, comm_ctas: int,
     threads = 32 * (num_warps or (16 if block_h >= 2048 else max(4, block_h // 128)))
     r_max = max(1, min(8, 32 * threads // block_h))
     return LaunchMeta(*_warps_and_rows(hidden, rows_per_rank, comm_ctas, r_max, num_warps))
+
+
+#: The one-warp-per-row add+norm (rownorm.rowwise_group): warps (= rows per group), columns per
+#: chunk (8 16-bit elements per lane) and chunks loaded ahead; measured on one H200 (NOTES.md, session 7).
+ROWWISE_WARPS, ROWWISE_CHUNK, ROWWISE_DEPTH = 8, 256, 8
+
+
+def rowwise_fits(hidden: int, partials: int, in_bytes: int, res_bytes: int) -> bool:
+    """Whether the one-warp-per-row add+norm runs for this shape: one partial to add (2 ranks;
+    with more, the [partials, rows, chunk] tile's layout costs shared memory and barriers, and
+    spills), 16-bit inputs, a row's rounded residual kept in 64 registers per lane (H x residual
+    bytes <= 8 KB: H <= 4096 in 16 bits), and H >= 2048 (the shapes measured)."""
+    return partials == 1 and in_bytes <= 2 and 2048 <= hidden and hidden * res_bytes <= 8192
 
 
 def _prefetch_shape(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
@@ -136,6 +150,14 @@ def push_meta(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
     CTA.  ``ring``: the launch leaves its normed output in the ring (``out_slot``), which
     measured fastest with a different shape (see :func:`_prefetch_shape`); every rank passes the
     same, as every rank compiles the same graph."""
+    if num_warps is None and rowwise_fits(hidden, world_size - 1, in_bytes, res_bytes):
+        block_h, block_rows, warps, grid = _warps_and_rows(hidden, rows_per_rank, comm_ctas,
+                                                           max(1, min(8, 8192 // next_pow2(hidden))),
+                                                           ROWWISE_WARPS)
+        return LaunchMeta(block_h, block_rows, warps, grid, norm_unroll=ROWWISE_WARPS // block_rows,
+                          norm_chunk=ROWWISE_CHUNK, norm_depth=ROWWISE_DEPTH,
+                          copy_unroll=_copy_unroll(block_h, block_rows, grid, rows_per_rank, in_bytes,
+                                                   res_bytes))
     shape = None if num_warps is not None else _prefetch_shape(
         hidden, rows_per_rank, comm_ctas, world_size, in_bytes, res_bytes, ring)
     if shape is None:
@@ -207,7 +229,7 @@ def push_constexprs(meta: LaunchMeta, **kw) -> dict:
                 COPY_UNROLL=meta.copy_unroll, COPY_STAGES=meta.copy_stages,
                 NORM_UNROLL=meta.norm_unroll, NORM_STAGES=meta.norm_stages,
                 NORM_PREFETCH=bool(meta.norm_prefetch),
-                NORM_DEPTH=int(meta.norm_depth) if meta.norm_prefetch else 0,
+                NORM_CHUNK=int(meta.norm_chunk), NORM_DEPTH=int(meta.norm_depth),
                 PEERS_P2=next_pow2(max(1, int(kw["world_size"]) - 1)))
 
 

@@ -47,8 +47,8 @@ from __future__ import annotations
 from .common import HAS_TRITON, tl, triton
 
 if HAS_TRITON:
-    from .rownorm import (add_norm, load_residual, norm_params, norm_tile, shard_rows,
-                          store_residual_shard)
+    from .rownorm import (add_norm, load_residual, norm_params, norm_tile, rowwise_first_loads,
+                          rowwise_group, shard_rows, store_residual_shard)
     from .sync import block_barrier
 
     @triton.jit
@@ -126,6 +126,28 @@ if HAS_TRITON:
         return x, parts, resid
 
     @triton.jit
+    def _rowwise_inputs(X, stride_x_row, in_base, RESIDUAL, stride_res_row, j0, rank, slot_rows,
+                        rows_per_rank, num_tokens, step, HIDDEN: tl.constexpr,
+                        BLOCK_ROWS: tl.constexpr, UNROLL: tl.constexpr, WORLD_SIZE: tl.constexpr,
+                        PEERS_P2: tl.constexpr, RESIDUAL_IN_SHARDED: tl.constexpr,
+                        IDX64: tl.constexpr):
+        """Row pointers and masks of the add+norm inputs of the group at ``j0`` for
+        :func:`weave_compile.kernels.rownorm.rowwise_group`: x [R, 1], the N-1 partials peers
+        pushed into our input slots [PEERS_P2, R, 1] (peer ``t`` is rank ``r + 1 + t``), the
+        residual [R, 1]."""
+        j, rows, ok = shard_rows(j0, BLOCK_ROWS, rank, rows_per_rank, num_tokens, UNROLL, step,
+                                 IDX64)
+        t = tl.arange(0, PEERS_P2)
+        p = (rank + 1 + t) % WORLD_SIZE
+        PR = in_base + ((p[:, None] * slot_rows + j[None, :]) * HIDDEN)[:, :, None]
+        pm = ((t < WORLD_SIZE - 1)[:, None] & ok[None, :])[:, :, None]
+        if RESIDUAL_IN_SHARDED:
+            RR = RESIDUAL + (j * stride_res_row)[:, None]
+        else:
+            RR = RESIDUAL + (rows * stride_res_row)[:, None]
+        return X + (rows * stride_x_row)[:, None], PR, RR, ok[:, None], pm
+
+    @triton.jit
     def _norm_store(out_peers, res_peers, peer_ok, NORMED, RESIDUAL_OUT, res, normed, j, rows, m,
                     col_ok, cols, rank, slot_rows, rows_per_rank, stride_out_row, stride_res_out_row,
                     out_ring_row, HIDDEN: tl.constexpr, RESIDUAL_OUT_SHARDED: tl.constexpr,
@@ -151,27 +173,6 @@ if HAS_TRITON:
             out_at = slot
         tl.store(out_peers[:, None, None] + out_at[None, :, :], normed[None, :, :], mask=to_peers)
 
-    @triton.jit
-    def _norm_tile_store(cx, cparts, cres, j0, out_peers, res_peers, peer_ok, bias, w, eps, NORMED,
-                         RESIDUAL_OUT, col_ok, cols, rank, slot_rows, rows_per_rank, num_tokens,
-                         step, stride_out_row, stride_res_out_row, out_ring_row,
-                         HIDDEN: tl.constexpr, BLOCK_ROWS: tl.constexpr, UNROLL: tl.constexpr,
-                         RES_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, MID_DTYPE: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                         HAS_WEIGHT: tl.constexpr, HAS_MID: tl.constexpr,
-                         RESIDUAL_OUT_SHARDED: tl.constexpr, OUT_IN_REGION: tl.constexpr,
-                         IDX64: tl.constexpr):
-        j, rows, ok = shard_rows(j0, BLOCK_ROWS, rank, rows_per_rank, num_tokens, UNROLL, step,
-                                 IDX64)
-        m = ok[:, None] & col_ok[None, :]
-        acc = cx.to(tl.float32) + tl.sum(cparts.to(tl.float32), axis=0)
-        res, normed = norm_tile(acc, cres, bias, w, eps, HIDDEN, RES_DTYPE, OUT_DTYPE, MID_DTYPE,
-                                HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, HAS_MID)
-        _norm_store(out_peers, res_peers, peer_ok, NORMED, RESIDUAL_OUT, res, normed, j, rows, m,
-                    col_ok, cols, rank, slot_rows, rows_per_rank, stride_out_row,
-                    stride_res_out_row, out_ring_row, HIDDEN, RESIDUAL_OUT_SHARDED, OUT_IN_REGION,
-                    HAS_BIAS)
-
     @triton.jit(do_not_specialize=["num_tokens", "rows_per_rank", "slot_rows", "rank", "pad_offset"])
     def push_allreduce_rmsnorm_kernel(
         PTR_TABLE,  # *i64: in[N], out[N], res[N], pad[N] addresses (regions used as [N, slot_rows, H])
@@ -192,7 +193,8 @@ if HAS_TRITON:
         HAS_WEIGHT: tl.constexpr, HAS_MID: tl.constexpr, RESIDUAL_IN_SHARDED: tl.constexpr,
         RESIDUAL_OUT_SHARDED: tl.constexpr, SPIN_LIMIT: tl.constexpr, FENCE_ASM: tl.constexpr,
         OUT_IN_REGION: tl.constexpr = False, PHASES: tl.constexpr = 7, SYNC: tl.constexpr = True,
-        IDX64: tl.constexpr = True, NORM_DEPTH: tl.constexpr = 0,
+        IDX64: tl.constexpr = True, NORM_CHUNK: tl.constexpr = 0,
+        NORM_DEPTH: tl.constexpr = 1,
     ):
         pid = tl.program_id(0)
         step = tl.num_programs(0) * BLOCK_ROWS
@@ -220,63 +222,49 @@ if HAS_TRITON:
             bias, w = norm_params(BIAS, WEIGHT, cols, col_ok, weight_offset, HAS_BIAS, HAS_WEIGHT)
             out_peers, peer_ok = _peer_regions(PTR_TABLE, 1, rank, OUT_DTYPE, WORLD_SIZE, PEERS_P2)
             res_peers, _ = _peer_regions(PTR_TABLE, 2, rank, RES_DTYPE, WORLD_SIZE, PEERS_P2)
-            if NORM_DEPTH >= 2:
-                na = step * NORM_UNROLL
+            if NORM_CHUNK > 0:
+                # One warp per row (rownorm.rowwise_group): groups of BLOCK_ROWS x NORM_UNROLL
+                # rows, the same rows of this CTA as the copy phases' tiles.
+                c = tl.arange(0, NORM_CHUNK)
+                gstep = step * NORM_UNROLL
                 j1 = pid * BLOCK_ROWS
-                ax, aparts, ares = _norm_loads(
-                    X, stride_x_row, in_base, RESIDUAL, stride_res_row, j1, rank,
-                    slot_rows, rows_per_rank, num_tokens, step, cols, col_ok, HIDDEN, BLOCK_ROWS,
-                    NORM_UNROLL, WORLD_SIZE, PEERS_P2, HAS_RESIDUAL, RESIDUAL_IN_SHARDED, IDX64)
-                if NORM_DEPTH == 3:
-                    bx, bparts, bres = _norm_loads(
-                        X, stride_x_row, in_base, RESIDUAL, stride_res_row, j1 + na, rank,
-                        slot_rows, rows_per_rank, num_tokens, step, cols, col_ok, HIDDEN, BLOCK_ROWS,
-                        NORM_UNROLL, WORLD_SIZE, PEERS_P2, HAS_RESIDUAL, RESIDUAL_IN_SHARDED, IDX64)
-                for j0 in tl.range(j1, rows_per_rank, NORM_DEPTH * na, num_stages=1):
-                    if NORM_DEPTH == 2:
-                        bx, bparts, bres = _norm_loads(
-                            X, stride_x_row, in_base, RESIDUAL, stride_res_row, j0 + na,
-                            rank, slot_rows, rows_per_rank, num_tokens, step, cols, col_ok, HIDDEN,
-                            BLOCK_ROWS, NORM_UNROLL, WORLD_SIZE, PEERS_P2, HAS_RESIDUAL,
-                            RESIDUAL_IN_SHARDED, IDX64)
+                XR, PR, RR, m, pm = _rowwise_inputs(
+                    X, stride_x_row, in_base, RESIDUAL, stride_res_row, j1, rank, slot_rows,
+                    rows_per_rank, num_tokens, step, HIDDEN, BLOCK_ROWS, NORM_UNROLL, WORLD_SIZE,
+                    PEERS_P2, RESIDUAL_IN_SHARDED, IDX64)
+                pre = rowwise_first_loads(XR, PR, RR, m, pm, c, HIDDEN, NORM_CHUNK, NORM_DEPTH,
+                                          HAS_RESIDUAL)
+                for j0 in tl.range(j1, rows_per_rank, gstep, num_stages=1):
+                    XR, PR, RR, m, pm = _rowwise_inputs(
+                        X, stride_x_row, in_base, RESIDUAL, stride_res_row, j0, rank, slot_rows,
+                        rows_per_rank, num_tokens, step, HIDDEN, BLOCK_ROWS, NORM_UNROLL,
+                        WORLD_SIZE, PEERS_P2, RESIDUAL_IN_SHARDED, IDX64)
+                    NXR, NPR, NRR, nm, npm = _rowwise_inputs(
+                        X, stride_x_row, in_base, RESIDUAL, stride_res_row, j0 + gstep, rank,
+                        slot_rows, rows_per_rank, num_tokens, step, HIDDEN, BLOCK_ROWS, NORM_UNROLL,
+                        WORLD_SIZE, PEERS_P2, RESIDUAL_IN_SHARDED, IDX64)
+                    j, rows, ok = shard_rows(j0, BLOCK_ROWS, rank, rows_per_rank, num_tokens,
+                                             NORM_UNROLL, step, IDX64)
+                    slot = ((rank * slot_rows + j) * HIDDEN)[None, :, None]
+                    to_peers = (peer_ok[:, None] & ok[None, :])[:, :, None]
+                    if RESIDUAL_OUT_SHARDED:
+                        RO = RESIDUAL_OUT + (j * stride_res_out_row)[:, None]
+                        ro_m = (j < rows_per_rank)[:, None]
                     else:
-                        cx, cparts, cres = _norm_loads(
-                            X, stride_x_row, in_base, RESIDUAL, stride_res_row, j0 + 2 * na,
-                            rank, slot_rows, rows_per_rank, num_tokens, step, cols, col_ok, HIDDEN,
-                            BLOCK_ROWS, NORM_UNROLL, WORLD_SIZE, PEERS_P2, HAS_RESIDUAL,
-                            RESIDUAL_IN_SHARDED, IDX64)
-                    _norm_tile_store(ax, aparts, ares, j0, out_peers, res_peers, peer_ok, bias, w,
-                                     eps, NORMED, RESIDUAL_OUT, col_ok, cols, rank, slot_rows,
-                                     rows_per_rank, num_tokens, step, stride_out_row,
-                                     stride_res_out_row, out_ring_row, HIDDEN, BLOCK_ROWS,
-                                     NORM_UNROLL, RES_DTYPE, OUT_DTYPE, MID_DTYPE, HAS_BIAS,
-                                     HAS_RESIDUAL, HAS_WEIGHT, HAS_MID, RESIDUAL_OUT_SHARDED,
-                                     OUT_IN_REGION, IDX64)
-                    ax, aparts, ares = _norm_loads(
-                        X, stride_x_row, in_base, RESIDUAL, stride_res_row, j0 + NORM_DEPTH * na,
-                        rank, slot_rows, rows_per_rank, num_tokens, step, cols, col_ok, HIDDEN,
-                        BLOCK_ROWS, NORM_UNROLL, WORLD_SIZE, PEERS_P2, HAS_RESIDUAL,
-                        RESIDUAL_IN_SHARDED, IDX64)
-                    _norm_tile_store(bx, bparts, bres, j0 + na, out_peers, res_peers, peer_ok, bias,
-                                     w, eps, NORMED, RESIDUAL_OUT, col_ok, cols, rank, slot_rows,
-                                     rows_per_rank, num_tokens, step, stride_out_row,
-                                     stride_res_out_row, out_ring_row, HIDDEN, BLOCK_ROWS,
-                                     NORM_UNROLL, RES_DTYPE, OUT_DTYPE, MID_DTYPE, HAS_BIAS,
-                                     HAS_RESIDUAL, HAS_WEIGHT, HAS_MID, RESIDUAL_OUT_SHARDED,
-                                     OUT_IN_REGION, IDX64)
-                    if NORM_DEPTH == 3:
-                        bx, bparts, bres = _norm_loads(
-                            X, stride_x_row, in_base, RESIDUAL, stride_res_row, j0 + 4 * na,
-                            rank, slot_rows, rows_per_rank, num_tokens, step, cols, col_ok, HIDDEN,
-                            BLOCK_ROWS, NORM_UNROLL, WORLD_SIZE, PEERS_P2, HAS_RESIDUAL,
-                            RESIDUAL_IN_SHARDED, IDX64)
-                        _norm_tile_store(cx, cparts, cres, j0 + 2 * na, out_peers, res_peers,
-                                         peer_ok, bias, w, eps, NORMED, RESIDUAL_OUT, col_ok, cols,
-                                         rank, slot_rows, rows_per_rank, num_tokens, step,
-                                         stride_out_row, stride_res_out_row, out_ring_row, HIDDEN,
-                                         BLOCK_ROWS, NORM_UNROLL, RES_DTYPE, OUT_DTYPE, MID_DTYPE,
-                                         HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, HAS_MID,
-                                         RESIDUAL_OUT_SHARDED, OUT_IN_REGION, IDX64)
+                        RO = RESIDUAL_OUT + (rows * stride_res_out_row)[:, None]
+                        ro_m = m
+                    if OUT_IN_REGION:  # the global row of the peers' ring slot: their output itself
+                        out_at = ((out_ring_row + rows) * HIDDEN)[None, :, None]
+                    else:
+                        out_at = slot
+                    pre = rowwise_group(
+                        pre, XR, PR, RR, m, pm, NXR, NPR, NRR, nm, npm, RO, ro_m,
+                        res_peers[:, None, None] + slot, to_peers,
+                        NORMED + (rows * stride_out_row)[:, None], out_peers[:, None, None] + out_at,
+                        to_peers, BIAS, WEIGHT, 1.0, eps, weight_offset, c,
+                        BLOCK_ROWS * NORM_UNROLL, HIDDEN, NORM_CHUNK, NORM_DEPTH, RES_DTYPE,
+                        OUT_DTYPE, MID_DTYPE, False, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, HAS_MID,
+                        RESIDUAL_OUT_SHARDED and HAS_BIAS, not RESIDUAL_OUT_SHARDED, True)
             elif NORM_PREFETCH:
                 # Registers double-buffered: the next tile's loads are issued before this tile's
                 # math and stores, so they are in flight meanwhile (no shared-memory staging, no

@@ -106,3 +106,130 @@ if HAS_TRITON:
             res = tl.where(mask, res, tl.zeros_like(res))
         tl.store(RESIDUAL_OUT + j[:, None] * stride_res_out_row + cols[None, :], res,
                  mask=(j < rows_per_rank)[:, None] & col_ok[None, :])
+
+    # ----------------------------------------------------------------- one warp per row
+    # A group of ROWS rows (one per warp: the [ROWS, CH] chunks' layout puts the warps along the
+    # rows) walks its H columns in NCH = ceil(H / CH) unrolled chunks.  Pass 1 loads x, the
+    # partials and the residual of each chunk DEPTH chunks ahead of its math, stores the
+    # rounded residual and keeps it in registers; the row's sum of squares is a reduction
+    # inside the warp (shuffles, no shared memory, no CTA barrier); pass 2 scales the kept
+    # chunks and stores them.  Without barriers the warps drift apart, so one warp's loads
+    # overlap another's stores (benchmarks/NOTES.md, session 7).  Rows are given as pointer
+    # tensors ([ROWS, 1], or [P, ROWS, 1] for the partials and the peers' copies) with masks of
+    # the same shapes, so the push and copy-engine kernels share the body.
+
+    @triton.jit
+    def rowwise_loads(XR, PR, RR, m, pm, k: tl.constexpr, c, HIDDEN: tl.constexpr,
+                      CH: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+        """Chunk ``k`` (columns ``k*CH ..``) of x, the partials and the residual, as loaded."""
+        off = k * CH + c
+        if HIDDEN % CH == 0:
+            xm = m
+            pmm = pm
+        else:
+            cm = (off < HIDDEN)[None, :]
+            xm = m & cm
+            pmm = pm & cm[None, :, :]
+        x = tl.load(XR + off[None, :], mask=xm, other=0.0)
+        parts = tl.load(PR + off[None, None, :], mask=pmm, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(RR + off[None, :], mask=xm, other=0.0)
+        else:
+            r = tl.zeros((1,), dtype=tl.float32)
+        return x, parts, r
+
+    @triton.jit
+    def rowwise_first_loads(XR, PR, RR, m, pm, c, HIDDEN: tl.constexpr, CH: tl.constexpr,
+                            DEPTH: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+        """The first ``DEPTH`` chunks of a group (a tuple of :func:`rowwise_loads` results)."""
+        NCH: tl.constexpr = (HIDDEN + CH - 1) // CH
+        pre = ()
+        for k in tl.static_range(DEPTH):
+            if k < NCH:
+                pre = pre + (rowwise_loads(XR, PR, RR, m, pm, k, c, HIDDEN, CH, HAS_RESIDUAL),)
+        return pre
+
+    @triton.jit
+    def _broadcast_row(PTR, off, cm, ROWS: tl.constexpr, CH: tl.constexpr,
+                       FULL: tl.constexpr):
+        """A [CH] parameter chunk loaded as [ROWS, CH] (every warp its own copy, an L1 hit): a
+        [CH] load gets a layout of its own, and converting it costs a CTA barrier."""
+        p = tl.broadcast_to(PTR + off[None, :], (ROWS, CH))
+        if FULL:
+            return tl.load(p).to(tl.float32)
+        return tl.load(p, mask=tl.broadcast_to(cm, (ROWS, CH)), other=0.0).to(tl.float32)
+
+    @triton.jit
+    def rowwise_group(pre, XR, PR, RR, m, pm, NXR, NPR, NRR, nm, npm, RO, ro_m, RP, rp_m, NO, NP,
+                      np_m, BIAS, WEIGHT, scale, eps, weight_offset, c, ROWS: tl.constexpr,
+                      HIDDEN: tl.constexpr, CH: tl.constexpr, DEPTH: tl.constexpr,
+                      RES_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, MID_DTYPE: tl.constexpr,
+                      HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                      HAS_MID: tl.constexpr, ZERO_PAST_T: tl.constexpr,
+                      RES_PEERS: tl.constexpr, OUT_PEERS: tl.constexpr):
+        """One group: ``acc = x + sum(partials) (* scale) (+ bias) (+ residual)``, rounded to
+        the residual dtype and stored (``RO``/``ro_m``; also to the peers, ``RP``/``rp_m``, with
+        ``RES_PEERS``), then RMS-normalised and stored (``NO`` where ``m``; the peers'
+        ``NP``/``np_m`` with ``OUT_PEERS``); the cast order of :func:`norm_tile`.  ``pre``: the
+        group's first ``DEPTH`` chunks (loaded by the previous group); returns the next group's
+        (``NXR``.. ``npm``), loaded before this group's normed stores: a load after a store in
+        program order is not hoisted above it (the compiler cannot prove they do not alias).
+        ``ZERO_PAST_T``: residual rows outside ``m`` are written as 0 (else they are 0 because
+        every input of theirs loaded as 0)."""
+        NCH: tl.constexpr = (HIDDEN + CH - 1) // CH
+        FULL: tl.constexpr = HIDDEN % CH == 0
+        buf = pre
+        kept = ()
+        sq = tl.zeros((ROWS, CH), dtype=tl.float32)
+        for k in tl.static_range(NCH):
+            if k + DEPTH < NCH:
+                buf = buf + (rowwise_loads(XR, PR, RR, m, pm, k + DEPTH, c, HIDDEN, CH, HAS_RESIDUAL),)
+            x, parts, r = buf[k]
+            off = k * CH + c
+            cm = (off < HIDDEN)[None, :]
+            acc = x.to(tl.float32) + tl.sum(parts.to(tl.float32), axis=0)
+            if HAS_SCALE:
+                acc = acc * scale
+            if HAS_BIAS:
+                acc = acc + _broadcast_row(BIAS, off, cm, ROWS, CH, FULL)
+            if HAS_RESIDUAL:
+                acc = acc + r.to(tl.float32)
+            res = acc.to(RES_DTYPE)
+            if ZERO_PAST_T:
+                res = tl.where(m, res, tl.zeros_like(res))
+            if FULL:
+                tl.store(RO + off[None, :], res, mask=ro_m)
+                if RES_PEERS:
+                    tl.store(RP + off[None, None, :], res[None, :, :], mask=rp_m)
+            else:
+                tl.store(RO + off[None, :], res, mask=ro_m & cm)
+                if RES_PEERS:
+                    tl.store(RP + off[None, None, :], res[None, :, :], mask=rp_m & cm[None, :, :])
+            rf = res.to(tl.float32)
+            sq += rf * rf
+            kept = kept + (res,)
+        rstd = tl.rsqrt(tl.sum(sq, axis=1) / HIDDEN + eps)[:, None]
+        nxt = rowwise_first_loads(NXR, NPR, NRR, nm, npm, c, HIDDEN, CH, DEPTH, HAS_RESIDUAL)
+        if HAS_WEIGHT:  # the weight chunks one ahead of their use, so they are not loaded after a store
+            wts = (_broadcast_row(WEIGHT, c, (c < HIDDEN)[None, :], ROWS, CH, FULL),)
+        for k in tl.static_range(NCH):
+            off = k * CH + c
+            cm = (off < HIDDEN)[None, :]
+            y = kept[k].to(tl.float32) * rstd
+            if HAS_MID:
+                y = y.to(MID_DTYPE).to(tl.float32)
+            if HAS_WEIGHT:
+                if k + 1 < NCH:
+                    wts = wts + (_broadcast_row(WEIGHT, off + CH, (off + CH < HIDDEN)[None, :], ROWS, CH, FULL),)
+                y = y * (wts[k] + weight_offset)
+            y = y.to(OUT_DTYPE)
+            if FULL:
+                tl.store(NO + off[None, :], y, mask=m)
+                if OUT_PEERS:
+                    tl.store(NP + off[None, None, :], y[None, :, :], mask=np_m)
+            else:
+                tl.store(NO + off[None, :], y, mask=m & cm)
+                if OUT_PEERS:
+                    tl.store(NP + off[None, None, :], y[None, :, :], mask=np_m & cm[None, :, :])
+        return nxt
