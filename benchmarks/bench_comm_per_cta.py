@@ -115,7 +115,7 @@ def _points(args, H: int, S: int, N: int):
             elif design == "push_pipelined":
                 m = launch.push_pipelined_meta(H, S, ctas, N, 2, 2)
             else:
-                m = launch.push_meta(H, S, ctas, N, 2, 2, ring=design == "push_ring")
+                m = launch.push_meta(H, S, ctas, N, 2, 2)
             yield design, m, args.phases
     if args.sweep and H in args.sweep_hidden:
         for ctas in args.sweep_ctas:
@@ -127,7 +127,7 @@ def _points(args, H: int, S: int, N: int):
                 yield f"push:{name}", dataclasses.replace(bases[over.get("norm_prefetch", True)], **over), phases
                 if args.sweep_ring and over.get("norm_prefetch", True):  # the same knob, output in the ring
                     yield (f"push_ring:{name}",
-                           dataclasses.replace(launch.push_meta(H, S, ctas, N, 2, 2, ring=True), **over), phases)
+                           dataclasses.replace(bases[True], **over), phases)
 
 
 def run(args) -> list:

@@ -301,11 +301,17 @@ def test_a_grown_workspace_keeps_the_old_one_alive_and_grows_geometrically(monke
 
 
 def test_addnorm_default_shapes():
-    """The measured defaults (bench_comm_ce.py, one H200): the prefetched loop with 16 warps on
-    8K-element tiles where two tiles of inputs fit the registers, else the pipelined loop."""
+    """The measured defaults (bench_comm_ce.py, one H200): one warp per row for one received
+    partial of 16-bit rows with 2048 <= H <= 4096; the prefetched loop with 16 warps on
+    8K-element tiles where two tiles of inputs fit the registers; else the pipelined loop."""
     from weave_compile.kernels.common import next_pow2, prefetch_fits
 
-    assert addnorm.launch_config(4096, slots=1) == addnorm.LaunchConfig(2, 1, 16, True)
+    for H in (2048, 3000, 4096):
+        assert addnorm.launch_config(H, slots=1) == addnorm.LaunchConfig(8, 1, 8, False, 256, addnorm.ROWWISE_DEPTH)
+    assert addnorm.launch_config(2047, slots=1).chunk == 0
+    assert addnorm.launch_config(4096, slots=2).chunk == 0
+    # any shape argument given keeps the caller's loop
+    assert addnorm.launch_config(4096, block_rows=2, slots=1) == addnorm.LaunchConfig(2, 1, 16, True)
     assert addnorm.launch_config(8192, slots=1) == addnorm.LaunchConfig(1, 1, 16, True)
     assert addnorm.launch_config(4096, slots=1, elem_bytes=4) == addnorm.LaunchConfig(4, 3, 16, False)
     assert not addnorm.launch_config(4096, slots=3).prefetch
@@ -313,6 +319,8 @@ def test_addnorm_default_shapes():
         for slots in (0, 1, 2, 3, 7):
             for nbytes in (2, 4):
                 c = addnorm.launch_config(H, slots=slots, elem_bytes=nbytes)
+                if c.chunk:  # the kept row: H x residual bytes <= 8 KB, 64 registers per lane
+                    assert slots == 1 and nbytes == 2 and 2048 <= H <= 4096 and c.block_rows == c.num_warps
                 if c.prefetch:
                     e = c.block_rows * next_pow2(H) // (32 * c.num_warps)
                     assert e >= 1 and prefetch_fits(2 + next_pow2(max(1, slots)), e, nbytes, c.num_warps)

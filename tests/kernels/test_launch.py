@@ -23,7 +23,6 @@ Script mode:
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
@@ -73,7 +72,6 @@ def test_push_meta_is_rank_independent_fits_and_covers_rows():
             for ctas in (1, 2, 4, 8, 16, 32):
                 for world, nbytes, meta in ((2, 2, launch.push_meta), (3, 2, launch.push_meta),
                                             (8, 4, launch.push_meta), (8, 2, launch.push_meta),
-                                            (2, 2, functools.partial(launch.push_meta, ring=True)),
                                             (2, 2, launch.push_pipelined_meta)):
                     m = meta(H, S, ctas, world, nbytes, nbytes)
                     assert m == meta(H, S, ctas, world, nbytes, nbytes)
@@ -82,6 +80,10 @@ def test_push_meta_is_rank_independent_fits_and_covers_rows():
                         inputs = 1 + launch.next_pow2(world - 1) + 1
                         assert 1 <= e <= 32 and m.num_warps in (1, 2, 4, 8, 16, 32)
                         assert 2 * inputs * e * nbytes / 4 + 2 * e + 40 <= min(255, 2048 // m.num_warps)
+                    if m.norm_chunk:  # one warp per row: only where the kept row fits (the model)
+                        assert world == 2 and nbytes == 2 and 2048 <= H and H * nbytes <= 8192
+                        assert m.block_rows * m.norm_unroll == m.num_warps == launch.ROWWISE_WARPS
+                        assert (m.norm_chunk, m.norm_depth) == (launch.ROWWISE_CHUNK, launch.ROWWISE_DEPTH)
                     assert 1 <= m.grid <= ctas and m.block_h >= H
                     for n in (m.block_rows, m.copy_unroll, m.norm_unroll):
                         assert 1 <= n <= 8 and n & (n - 1) == 0  # tl.arange needs powers of 2
@@ -105,18 +107,19 @@ def test_push_meta_is_rank_independent_fits_and_covers_rows():
                                             seen[j] = pid
                         assert sorted(seen) == list(range(S))
                         assert owner.setdefault("pid", seen) == seen
-    # the shape measured fastest at H=4096, bf16, 2 ranks, 8 and 32 CTAs (benchmarks/NOTES.md):
-    # 2-row tiles, 4 tiles (64 KB) in flight per copy iteration, the add+norm's next tile
-    # prefetched into registers by 16 warps (16 elements of each input per thread); at 8192 one row
+    # the shape measured fastest at H=4096, bf16, 2 ranks, 8 and 32 CTAs (benchmarks/NOTES.md,
+    # session 7): 2-row copy tiles, 4 of them (64 KB) in flight per copy iteration; the add+norm
+    # one warp per row over groups of 8 rows (the same rows of the CTA as the copy tiles), with
+    # and without the output left in the ring; at 8192 (the kept row does not fit) the
+    # register-prefetched [1, H] tile over 16 warps
     m = launch.push_meta(4096, 4096, 8, 2, 2, 2)
-    assert (m.grid, m.block_rows, m.copy_unroll, m.num_warps, m.norm_prefetch) == (8, 2, 4, 16, True)
+    assert (m.grid, m.block_rows, m.copy_unroll, m.num_warps, m.norm_unroll, m.norm_chunk) == (8, 2, 4, 8, 4, 256)
+    assert launch.push_meta(4096, 4096, 8, 3, 2, 2).norm_chunk == 0  # 2 partials: not measured well
+    assert launch.push_meta(4096, 4096, 8, 2, 2, 4).norm_chunk == 0  # fp32 residual: does not fit
     m = launch.push_meta(8192, 4096, 32, 2, 2, 2)
-    assert (m.block_rows, m.num_warps, m.norm_prefetch) == (1, 16, True)
+    assert (m.block_rows, m.num_warps, m.norm_prefetch, m.norm_chunk) == (1, 16, True, 0)
     p = launch.push_pipelined_meta(4096, 4096, 8, 2, 2, 2)  # the shape before
     assert (p.grid, p.block_rows, p.copy_unroll, p.norm_stages, p.norm_prefetch) == (8, 2, 4, 3, False)
-    # with the output left in the ring, 8 warps (32 elements per thread) measured fastest
-    m = launch.push_meta(4096, 4096, 8, 2, 2, 2, ring=True)
-    assert (m.block_rows, m.num_warps, m.norm_prefetch) == (2, 8, True)
     # a forced warp count keeps the pipelined loop (its shape is what the warps were tuned for)
     assert not launch.push_meta(4096, 4096, 8, 2, 2, 2, num_warps=16).norm_prefetch
     v1 = launch.push_v1_meta(4096, 4096, 8)

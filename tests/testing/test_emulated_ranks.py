@@ -4,7 +4,9 @@ Under ``TRITON_INTERPRET=1`` (a subprocess running this file as a script) the pu
 for 2, 3 and 4 emulated ranks, one phase of every rank at a time, and is compared with the
 float64 oracle; outputs and regions are NaN-poisoned first. Every case runs with fresh outputs
 (in the default launch shape, the same with 64-bit index arithmetic forced, the pipelined
-add+norm loop and the prefetched one with 1-row tiles unrolled twice), and with the normed output left in a slot of the output ring (``out_slot``), where the
+add+norm loop, the prefetched one with 1-row tiles unrolled twice and the one-warp-per-row loop
+in two chunk sizes), and with the normed output left in a slot of the output ring (``out_slot``;
+the default shape and the one-warp-per-row loop), where the
 result must be the ring view itself and the other ring slots (the staging slot 0 included) must
 stay untouched. The GPU runs (concurrent ranks,
 real barriers) are in tests/kernels/test_push.py.
@@ -94,6 +96,11 @@ def _shapes(c, world: int, out_slot: int, dt, rdt):
                                                  norm_chunk=16, norm_depth=2)
         yield "rowwise_c32", dataclasses.replace(launch.push_meta(*args), block_rows=1, norm_unroll=2,
                                                  norm_chunk=32, norm_depth=1)
+    else:  # the normed rows pushed to the peers' ring slots by global row, one warp per row
+        S = math.ceil(c["T"] / world)
+        args = (c["H"], S, c["ctas"], world, dt.itemsize, rdt.itemsize)
+        yield "rowwise_c16", dataclasses.replace(launch.push_meta(*args), block_rows=1, norm_unroll=2,
+                                                 norm_chunk=16, norm_depth=2)
 
 
 def _main(world: int) -> int:

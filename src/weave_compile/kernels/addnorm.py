@@ -8,9 +8,11 @@ n_res_rows`` of the residual output are written as zeros (a sharded residual's p
 Why a kernel of its own: once copy engines (or NCCL) move the bytes between GPUs, the only SM work
 left is this local streaming pass, and it should need few CTAs so the other token half's GEMMs keep
 their SMs. Per-CTA bandwidth is set by bytes in flight (benchmarks/NOTES.md, DESIGN.md section 6):
-each CTA works on ``BLOCK_ROWS`` rows at a time and its row loop is software-pipelined
-(``tl.range(num_stages=NUM_STAGES)``) so the next rows' loads are issued before this row block's
-math. The launch shape is :func:`launch_config`; ``benchmarks/bench_comm_ce.py`` measured it.
+each CTA works on ``BLOCK_ROWS`` rows at a time and the next rows' loads are issued before this
+row block's math: one warp per row with column chunks loaded ahead (``CHUNK`` > 0, the shared
+:func:`weave_compile.kernels.rownorm.rowwise_group`), the next block prefetched into registers
+(``PREFETCH``), or a ``tl.range(num_stages=NUM_STAGES)`` software pipeline. The launch shape is
+:func:`launch_config`; ``benchmarks/bench_comm_ce.py`` measured it.
 
 Off GPU (CPU tensors without the Triton interpreter) :func:`add_rmsnorm_rows` runs the same math
 with torch ops, which is what the copy-engine CPU simulation uses.
@@ -28,7 +30,11 @@ import torch
 log = logging.getLogger(__name__)
 
 from .common import HAS_TRITON, MAX_HIDDEN, interpreting, next_pow2, prefetch_fits, tl, tl_dtype, triton
-from .launch import ROWWISE_CHUNK, ROWWISE_DEPTH, ROWWISE_WARPS, rowwise_fits
+from .launch import ROWWISE_CHUNK, ROWWISE_WARPS, rowwise_fits
+
+#: Chunks loaded ahead in the one-warp-per-row loop: 8 (one H200, session 7: 4 / 6 / 8 ahead moved
+#: 74.1 / 80.4 / 81.1 GB/s per CTA at H=4096, 8 CTAs; no spills with a bias, a scale and a mid dtype).
+ROWWISE_DEPTH = 8
 
 if HAS_TRITON:
     from .rownorm import (add_norm, norm_params, norm_tile, rowwise_first_loads, rowwise_group,
@@ -56,14 +62,17 @@ def launch_config(hidden: int, block_rows: Optional[int] = None, num_stages: Opt
     """Rows per iteration, loop kind, pipeline depth and warps for ``hidden`` (``slots``
     received partials, ``elem_bytes`` the widest input); any argument given overrides.
 
-    Default: the register-prefetched loop on an 8K-element tile (2 rows at H=4096, 1 at 8192) with
-    16 warps, where two tiles of its inputs fit the registers
-    (:func:`weave_compile.kernels.common.prefetch_fits`): on one H200 at 8 CTAs, 2 slots' worth of
-    bf16 (``bench_comm_ce.py``, session 6, ``results/comm_per_cta_ce.csv``) it moves 73.9 GB/s
-    per CTA at H=4096 and 76.9 at 8192, against 59.9 and 61.1 for the best of 12 pipelined shapes.
-    Elsewhere the pipelined loop on a 16K-element tile, 3 stages, 16 warps up to H=4096 and 8
-    above (that sweep's best); a pipelined shape that does not fit in shared memory is retried
-    with fewer stages (launcher).
+    Default where :func:`weave_compile.kernels.launch.rowwise_fits` (one received partial, 16-bit
+    inputs, 2048 <= H <= 4096): one warp per row (8 warps, 8-row blocks, 256-column chunks loaded 8
+    ahead; :func:`weave_compile.kernels.rownorm.rowwise_group`): on one H200 at 8 CTAs
+    (``bench_comm_ce.py``, session 7, ``results/comm_per_cta_ce.csv``) 81.9 GB/s per CTA at
+    H=4096 and 89.6 at 2048, against 73.7 and 54.5 for the register-prefetched tile.  Elsewhere
+    the register-prefetched loop on an 8K-element tile (2 rows at H=4096, 1 at 8192) with 16
+    warps, where two tiles of its inputs fit the registers
+    (:func:`weave_compile.kernels.common.prefetch_fits`; session 6: 76.9 GB/s per CTA at
+    H=8192, 8 CTAs, against 61.1 for the best of 12 pipelined shapes); elsewhere the pipelined
+    loop on a 16K-element tile, 3 stages, 16 warps up to H=4096 and 8 above (that sweep's best);
+    a pipelined shape that does not fit in shared memory is retried with fewer stages (launcher).
     """
     block_h = next_pow2(hidden)
     if (block_rows, num_stages, num_warps, prefetch) == (None,) * 4 and rowwise_fits(

@@ -87,8 +87,10 @@ def launch_meta(hidden: int, rows_per_rank: int, comm_ctas: int,
 
 
 #: The one-warp-per-row add+norm (rownorm.rowwise_group): warps (= rows per group), columns per
-#: chunk (8 16-bit elements per lane) and chunks loaded ahead; measured on one H200 (NOTES.md, session 7).
-ROWWISE_WARPS, ROWWISE_CHUNK, ROWWISE_DEPTH = 8, 256, 8
+#: chunk (8 16-bit elements per lane) and, in the push kernel, chunks loaded ahead (one H200,
+#: NOTES.md, session 7: 4 / 6 / 8 ahead moved 78.3 / 81.6 / 85.7 GB/s per CTA; 8 spills one
+#: register with a full residual pushed to the peers, a bias and the ring, 7 fits everywhere).
+ROWWISE_WARPS, ROWWISE_CHUNK, ROWWISE_DEPTH = 8, 256, 7
 
 
 def rowwise_fits(hidden: int, partials: int, in_bytes: int, res_bytes: int) -> bool:
@@ -100,7 +102,7 @@ def rowwise_fits(hidden: int, partials: int, in_bytes: int, res_bytes: int) -> b
 
 
 def _prefetch_shape(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
-                    in_bytes: int, res_bytes: int, ring: bool = False) -> Optional[tuple]:
+                    in_bytes: int, res_bytes: int) -> Optional[tuple]:
     """``(block_rows, num_warps)`` of the register-prefetched add+norm loop, or None where no
     shape keeps two tiles of its inputs in registers.
 
@@ -110,13 +112,15 @@ def _prefetch_shape(hidden: int, rows_per_rank: int, comm_ctas: int, world_size:
     fastest whole op at 8 and 32 CTAs (E = 32 with 8 warps won a standalone add+norm probe but
     lost in the kernel), and shapes beyond the register file spill (10-20x slower).  So: the
     largest E <= 16 whose registers fit (:func:`weave_compile.kernels.common.prefetch_fits`),
-    then the biggest tile, then the fewest warps.  With the output left in the ring (``ring``) the
-    measured optimum is E = 32 (8 warps: whole op 441 vs 549 us at H=4096, 853 vs 976 at 8192,
-    8 CTAs; at 32 CTAs 161 vs 186, but 308 vs 298 at H=8192: the one point where it loses), so
-    the cap is 32 there.  Only 2-rank bf16 shapes are measured; for the others the model only
-    keeps the shape inside the register file.
+    then the biggest tile, then the fewest warps.  With the output left in the ring the same
+    cap: session 5 measured E = 32 (8 warps) faster there, but with today's loop 16 warps win
+    at every measured point (one H200, session 7, ``results/comm_per_cta_depth.csv``: whole op
+    405 vs 427 us at H=4096, 780 vs 818 at 8192, 8 CTAs; 154 vs 159 and 297 vs 307 at 32).  Only
+    2-rank bf16 shapes are measured; for the others the model only keeps the shape inside the
+    register file.  (At 2 ranks and 2048 <= H <= 4096 the one-warp-per-row loop runs instead,
+    :func:`rowwise_fits`.)
     """
-    cap = 32 if ring else 16
+    cap = 16
     block_h = next_pow2(hidden)
     inputs = 1 + next_pow2(max(1, world_size - 1)) + 1
     best = None
@@ -134,22 +138,25 @@ def _prefetch_shape(hidden: int, rows_per_rank: int, comm_ctas: int, world_size:
 
 @functools.lru_cache(maxsize=4096)
 def push_meta(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
-              in_bytes: int, res_bytes: int, num_warps: Optional[int] = None,
-              ring: bool = False) -> LaunchMeta:
+              in_bytes: int, res_bytes: int, num_warps: Optional[int] = None) -> LaunchMeta:
     """The push kernel's tile shape, grid, unrolling and add+norm loop.
 
     Copy phases: as many tiles per iteration as make ~64 KB in flight per CTA, held in
     registers (no shared memory staging: a 2-row x 4-stage ``tl.range`` copy measured slower
-    than 4 unpipelined rows, benchmarks/NOTES.md).  Add+norm: the next tile's inputs are loaded
-    into registers while this one is reduced and stored (``norm_prefetch``, shape from
-    :func:`_prefetch_shape`: 16 warps and 2-row tiles at H=4096 for 2 bf16 ranks; measured
-    77.7 GB/s per CTA at 8 CTAs against 51 for the pipelined loop, the whole op 31% faster at
-    8 CTAs and 15% at 32, H=4096; benchmarks/NOTES.md, session 6); where no such shape fits the
+    than 4 unpipelined rows, benchmarks/NOTES.md).  Add+norm, where :func:`rowwise_fits` (2
+    ranks, 16-bit inputs, 2048 <= H <= 4096): one warp per row, no CTA barrier
+    (:func:`weave_compile.kernels.rownorm.rowwise_group`; 8 warps, groups of 8 rows made of
+    ``norm_unroll`` copy tiles, so each CTA keeps the rows the barriers pair; measured on one
+    H200 at H=4096, 8 CTAs: 85.7 GB/s per CTA against 77.7 for the register-prefetched tile, the
+    whole op 477 vs 502 us; benchmarks/NOTES.md, session 7).  Elsewhere the next tile's inputs
+    are loaded into registers while this one is reduced and stored (``norm_prefetch``, shape
+    from :func:`_prefetch_shape`: 16 warps, 1-row tiles at H=8192 for 2 bf16 ranks; the whole op
+    31% faster than the pipelined loop at 8 CTAs, session 6); where no such shape fits the
     registers (many ranks with wide dtypes), or ``num_warps`` is forced, the
     :func:`push_pipelined_meta` shape.  Never more tiles per iteration than the shard gives a
-    CTA.  ``ring``: the launch leaves its normed output in the ring (``out_slot``), which
-    measured fastest with a different shape (see :func:`_prefetch_shape`); every rank passes the
-    same, as every rank compiles the same graph."""
+    CTA.  The shape does not depend on where the normed output goes (copied out or left in the
+    ring): every rank compiles the same graph, and one shape won both (session 7)."""
+
     if num_warps is None and rowwise_fits(hidden, world_size - 1, in_bytes, res_bytes):
         block_h, block_rows, warps, grid = _warps_and_rows(hidden, rows_per_rank, comm_ctas,
                                                            max(1, min(8, 8192 // next_pow2(hidden))),
@@ -159,7 +166,7 @@ def push_meta(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
                           copy_unroll=_copy_unroll(block_h, block_rows, grid, rows_per_rank, in_bytes,
                                                    res_bytes))
     shape = None if num_warps is not None else _prefetch_shape(
-        hidden, rows_per_rank, comm_ctas, world_size, in_bytes, res_bytes, ring)
+        hidden, rows_per_rank, comm_ctas, world_size, in_bytes, res_bytes)
     if shape is None:
         return push_pipelined_meta(hidden, rows_per_rank, comm_ctas, world_size, in_bytes, res_bytes,
                                    num_warps)
@@ -291,8 +298,7 @@ def launch_push(ws: SymmWorkspace, x, residual, bias, weight, normed, residual_o
         if normed.data_ptr() != ring.data_ptr() or normed.stride(0) != H:
             raise ValueError(f"out_slot={out_slot}: normed must be the workspace's ring slot view")
     if meta is None:
-        meta = push_meta(H, S, comm_ctas, N, x.dtype.itemsize, residual_out.dtype.itemsize, num_warps,
-                         ring=out_slot >= 0)
+        meta = push_meta(H, S, comm_ctas, N, x.dtype.itemsize, residual_out.dtype.itemsize, num_warps)
     consts = push_constexprs(
         meta, world_size=N, hidden=H, in_dtype=x.dtype, out_dtype=normed.dtype,
         res_dtype=residual_out.dtype, mid_dtype=mid_dtype, has_bias=bias is not None,

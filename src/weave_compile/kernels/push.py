@@ -32,7 +32,13 @@ add+norm loop (``NORM_PREFETCH``, the default) loads the next tile's inputs into
 before this tile's math and stores, so few CTAs carry the traffic.  Where that does not fit
 the registers the add+norm loop is a ``tl.range`` software pipeline of ``NORM_STAGES`` stages
 instead (Triton stages its loads in shared memory; slower: benchmarks/NOTES.md, session 5).
-:func:`weave_compile.kernels.launch.push_meta` picks the shape.  The two add+norm loops sum the
+With ``NORM_CHUNK`` > 0 (2 ranks, 2048 <= H <= 4096) the add+norm runs one warp per row instead
+(:func:`weave_compile.kernels.rownorm.rowwise_group`): groups of ``BLOCK_ROWS x NORM_UNROLL``
+rows (the CTA's own rows, as in the copy phases) walk their columns in chunks loaded
+``NORM_DEPTH`` chunks ahead, the rounded residual kept in registers, and a row's sum of squares
+never leaves its warp, so no CTA barrier holds the warps in step (85.7 against 77.7 GB/s per CTA
+at H=4096, 8 CTAs; NOTES.md, session 7).  :func:`weave_compile.kernels.launch.push_meta` picks
+the shape.  The two add+norm loops sum the
 peers' partials in different orders (``x + sum(peers)`` vs one at a time): bit-identical with
 bf16 inputs at 2-4 ranks (checked in the CPU interpreter), an fp32 ulp apart in places with fp32
 inputs and 3+ ranks.

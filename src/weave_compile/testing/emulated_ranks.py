@@ -174,8 +174,7 @@ def push_allreduce_rmsnorm(ranks: EmulatedRanks, xs: Sequence[torch.Tensor],
     kw = dict(dict(mid_dtype=None, residual_in_sharded=False, eps=1e-6, weight_offset=0.0,
                    num_warps=None), **kw)
     meta = kw.pop("meta", None) or launch.push_meta(H, S, comm_ctas, N, xs[0].dtype.itemsize,
-                                                    ws0.res_dtype.itemsize, kw["num_warps"],
-                                                    ring=out_slot >= 0)
+                                                    ws0.res_dtype.itemsize, kw["num_warps"])
     ranks.check_coresident(meta.grid)
     all_phases = kw.pop("phases", 7)
 

@@ -85,7 +85,7 @@ def compile_variant_ptx(kernel: str, dtype: torch.dtype, hidden: int,
     if kernel == "p2p":
         fn = push_allreduce_rmsnorm_kernel
         meta = launch.push_meta(hidden, rows_per_rank, comm_ctas, world_size, dtype.itemsize,
-                                residual_dtype.itemsize, num_warps, ring=bool(out_in_region))
+                                residual_dtype.itemsize, num_warps)
         if block_rows is not None:
             meta = dataclasses.replace(meta, block_rows=int(block_rows))
         # the index width the launcher would pick for T = N x rows_per_rank rows: the
