@@ -1,4 +1,4 @@
-"""The one add + RMSNorm device body every all-reduce kernel of this package runs on its rows.
+"""The add + RMSNorm device bodies every all-reduce kernel of this package runs on its rows.
 
 Given the fp32 all-reduced sum of a [BLOCK_ROWS, BLOCK_H] tile, :func:`norm_tile` adds the bias
 and the residual, rounds to the residual dtype (that rounded value *is* the new residual, as
@@ -8,7 +8,10 @@ in the unfused model), RMS-normalises in fp32 registers, optionally rounds to ``
 :func:`norm_tile` (the prefetching loops load the residual a tile ahead and call
 :func:`norm_tile` themselves).  Keeping one body means the kernels cannot drift apart in the
 add+norm; how a kernel sums the ranks' partials before it (the order of the fp32 adds) is the
-kernel's own.
+kernel's own.  :func:`rowwise_group` is the same math over one warp per row in column chunks
+(the push and copy-engine kernels at 2 ranks, 2048 <= H <= 4096): the same cast order, the
+row's sum of squares added up in another order (so the normed rows can differ by an ulp, the
+residual cannot).
 """
 
 from __future__ import annotations
