@@ -20,8 +20,8 @@ rank are counted as read + written (bf16, H columns, S rows per rank, N ranks):
 
 ``gbps_per_cta`` = bytes / time / CTAs of one rank; ``timeouts`` counts barrier waits that hit
 the spin limit during the point (0 expected).  Designs: ``push`` (today's launch shape,
-:func:`weave_compile.kernels.launch.push_meta`: several tiles in flight per CTA, the add+norm's
-next tile prefetched into registers) and
+:func:`weave_compile.kernels.launch.push_meta`: several tiles in flight per CTA; the add+norm
+one warp per row at 2 ranks and 2048 <= H <= 4096, else the next tile prefetched into registers) and
 ``push_v1`` (the same kernel with the first push kernel's launch shape: the pull kernel's rows
 per iteration, nothing unrolled or pipelined, :func:`push_v1_meta`), ``push_pipelined`` (the
 shape before the add+norm prefetch: 16 warps, its add+norm loop a 3-stage ``tl.range``
@@ -119,7 +119,7 @@ def _points(args, H: int, S: int, N: int):
             yield design, m, args.phases
     if args.sweep and H in args.sweep_hidden:
         for ctas in args.sweep_ctas:
-            bases = {True: launch.push_meta(H, S, ctas, N, 2, 2),  # knobs of the prefetched loop
+            bases = {True: launch.push_meta(H, S, ctas, N, 2, 2),  # knobs of the default shape
                      False: launch.push_pipelined_meta(H, S, ctas, N, 2, 2)}  # of the pipelined one
             for name, (over, phases) in SWEEP.items():
                 if args.sweep_only and name not in args.sweep_only:
@@ -242,7 +242,7 @@ def main() -> None:
     ap.add_argument("--sweep-ctas", type=int, nargs="+", default=[8], help="CTA counts of the sweep")
     ap.add_argument("--sweep-only", nargs="+", choices=list(SWEEP), help="only these SWEEP variants")
     ap.add_argument("--sweep-ring", action="store_true",
-                    help="also time each prefetched-loop SWEEP variant with the output in the ring (push_ring:<knob>)")
+                    help="also time each SWEEP variant of the default shape with the output in the ring (push_ring:<knob>)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)

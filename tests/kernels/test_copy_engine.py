@@ -310,6 +310,9 @@ def test_addnorm_default_shapes():
         assert addnorm.launch_config(H, slots=1) == addnorm.LaunchConfig(8, 1, 8, False, 256, addnorm.ROWWISE_DEPTH)
     assert addnorm.launch_config(2047, slots=1).chunk == 0
     assert addnorm.launch_config(4096, slots=2).chunk == 0
+    assert addnorm.launch_config(4096, slots=1, res_bytes=4).chunk == 0  # the kept row would not fit
+    assert addnorm.launch_config(4096, slots=1, rows_per_cta=4).chunk == 0  # warps would idle
+    assert addnorm.launch_config(4096, slots=1, rows_per_cta=8).chunk == 256
     # any shape argument given keeps the caller's loop
     assert addnorm.launch_config(4096, block_rows=2, slots=1) == addnorm.LaunchConfig(2, 1, 16, True)
     assert addnorm.launch_config(8192, slots=1) == addnorm.LaunchConfig(1, 1, 16, True)

@@ -82,6 +82,7 @@ def test_push_meta_is_rank_independent_fits_and_covers_rows():
                         assert 2 * inputs * e * nbytes / 4 + 2 * e + 40 <= min(255, 2048 // m.num_warps)
                     if m.norm_chunk:  # one warp per row: only where the kept row fits (the model)
                         assert world == 2 and nbytes == 2 and 2048 <= H and H * nbytes <= 8192
+                        assert math.ceil(S / ctas) >= launch.ROWWISE_WARPS  # no idle warps
                         assert m.block_rows * m.norm_unroll == m.num_warps == launch.ROWWISE_WARPS
                         assert (m.norm_chunk, m.norm_depth) == (launch.ROWWISE_CHUNK, launch.ROWWISE_DEPTH)
                     assert 1 <= m.grid <= ctas and m.block_h >= H
@@ -116,6 +117,7 @@ def test_push_meta_is_rank_independent_fits_and_covers_rows():
     assert (m.grid, m.block_rows, m.copy_unroll, m.num_warps, m.norm_unroll, m.norm_chunk) == (8, 2, 4, 8, 4, 256)
     assert launch.push_meta(4096, 4096, 8, 3, 2, 2).norm_chunk == 0  # 2 partials: not measured well
     assert launch.push_meta(4096, 4096, 8, 2, 2, 4).norm_chunk == 0  # fp32 residual: does not fit
+    assert launch.push_meta(4096, 16, 8, 2, 2, 2).norm_chunk == 0  # 2 rows per CTA: warps would idle
     m = launch.push_meta(8192, 4096, 32, 2, 2, 2)
     assert (m.block_rows, m.num_warps, m.norm_prefetch, m.norm_chunk) == (1, 16, True, 0)
     p = launch.push_pipelined_meta(4096, 4096, 8, 2, 2, 2)  # the shape before

@@ -72,8 +72,10 @@ def test_push_kernel_through_emulated_ranks_in_cpu_interpreter(world):
 
 def _shapes(c, world: int, out_slot: int, dt, rdt):
     """(name, launch meta) to run a case with: the default (the register-prefetched add+norm where
-    it fits), and with fresh outputs also the pipelined add+norm loop and the prefetched one
-    with two tiles per iteration (NORM_UNROLL=2)."""
+    it fits); with fresh outputs also the default with 64-bit indices forced, the pipelined
+    add+norm loop, the prefetched one with two tiles per iteration (NORM_UNROLL=2) and the
+    one-warp-per-row loop in two chunk sizes; with the output in the ring the one-warp-per-row
+    loop too."""
     import dataclasses
 
     from weave_compile.kernels import launch

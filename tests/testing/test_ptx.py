@@ -67,7 +67,7 @@ def test_ptx_compiles_flag_variants(kernel, kw):
 def test_push_output_in_the_ring_compiles_with_vector_stores_and_no_gather(hidden, dtype):
     """OUT_IN_REGION: the peers' stores go to a run-time ring row, still 16-byte vectors; the
     gather phase's copy of the normed rows is gone (fewer global loads than the copying mode)."""
-    # One launch shape for both (the default shapes differ by mode), so the load counts compare.
+    # One launch shape for both (forced, the prefetch loop's), so the load counts compare.
     ring = compile_variant_ptx("p2p", dtype, hidden, residual_in_sharded=True, residual_out_sharded=True,
                                out_in_region=True, num_warps=16)
     copying = compile_variant_ptx("p2p", dtype, hidden, residual_in_sharded=True, residual_out_sharded=True,
@@ -91,11 +91,13 @@ def test_compile_rejects_bad_args():
 
 @requires_triton
 def test_push_kernel_keeps_the_next_tile_in_registers_or_in_a_pipeline():
-    """Several tiles in flight per CTA.  The default launch prefetches the add+norm's next tile
-    into registers: no cp.async staging, shared memory only for the row reductions; with the
-    warp count forced, the tl.range pipeline stages its loads with cp.async."""
-    asm = compile_variant_ptx("p2p", torch.bfloat16, 4096, return_all=True)
-    assert "cp.async" not in asm["ptx"] and asm["shared"] < 4096, asm["shared"]
+    """Several tiles in flight per CTA.  The default launches keep them in registers (H=4096: one
+    warp per row, chunks loaded ahead; H=8192: the add+norm's next tile prefetched): no cp.async
+    staging, shared memory only for the row reductions; with the warp count forced, the tl.range
+    pipeline stages its loads with cp.async."""
+    for hidden in (4096, 8192):
+        asm = compile_variant_ptx("p2p", torch.bfloat16, hidden, return_all=True)
+        assert "cp.async" not in asm["ptx"] and asm["shared"] < 4096, (hidden, asm["shared"])
     piped = compile_variant_ptx("p2p", torch.bfloat16, 4096, num_warps=16, return_all=True)
     assert "cp.async" in piped["ptx"] and piped["shared"] > 32 * 1024
     v1 = compile_variant_ptx("p2p_pull", torch.bfloat16, 4096)
@@ -131,8 +133,9 @@ def _ptxas_spills(ptx: str) -> list[tuple[int, int]]:
     (2, 4096, torch.bfloat16, False), (2, 4096, torch.bfloat16, True), (2, 8192, torch.bfloat16, False),
     (3, 4096, torch.bfloat16, True), (8, 4096, torch.bfloat16, False), (2, 4096, torch.float32, False)])
 def test_default_push_shapes_do_not_spill(world, hidden, dtype, ring):
-    """The register model (common.prefetch_fits) picks shapes ptxas fits without spilling: shapes
-    over the register file measured 10-20x slower (benchmarks/NOTES.md, session 5)."""
+    """The register models (common.prefetch_fits, launch.rowwise_fits with its chunks ahead) pick
+    shapes ptxas fits without spilling: shapes over the register file measured 10-20x slower
+    (benchmarks/NOTES.md, session 5)."""
     ptx = compile_variant_ptx("p2p", dtype, hidden, world_size=world, out_in_region=ring,
                               rows_per_rank=(1 << 20) // world, comm_ctas=8)
     assert all(s == (0, 0) for s in _ptxas_spills(ptx))

@@ -58,12 +58,15 @@ class LaunchConfig:
 
 def launch_config(hidden: int, block_rows: Optional[int] = None, num_stages: Optional[int] = None,
                   num_warps: Optional[int] = None, prefetch: Optional[bool] = None, *, slots: int = 1,
-                  elem_bytes: int = 2) -> LaunchConfig:
+                  elem_bytes: int = 2, res_bytes: Optional[int] = None,
+                  rows_per_cta: Optional[int] = None) -> LaunchConfig:
     """Rows per iteration, loop kind, pipeline depth and warps for ``hidden`` (``slots``
-    received partials, ``elem_bytes`` the widest input); any argument given overrides.
+    received partials, ``elem_bytes`` the widest input, ``res_bytes`` the residual output's
+    element size (default ``elem_bytes``), ``rows_per_cta`` the rows each CTA gets if known); any
+    shape argument given overrides.
 
     Default where :func:`weave_compile.kernels.launch.rowwise_fits` (one received partial, 16-bit
-    inputs, 2048 <= H <= 4096): one warp per row (8 warps, 8-row blocks, 256-column chunks loaded 8
+    inputs, 2048 <= H <= 4096, a 16-bit residual) and every CTA gets at least 8 rows: one warp per row (8 warps, 8-row blocks, 256-column chunks loaded 8
     ahead; :func:`weave_compile.kernels.rownorm.rowwise_group`): on one H200 at 8 CTAs
     (``bench_comm_ce.py``, session 7, ``results/comm_per_cta_ce.csv``) 81.9 GB/s per CTA at
     H=4096 and 89.6 at 2048, against 73.7 and 54.5 for the register-prefetched tile.  Elsewhere
@@ -75,8 +78,9 @@ def launch_config(hidden: int, block_rows: Optional[int] = None, num_stages: Opt
     a pipelined shape that does not fit in shared memory is retried with fewer stages (launcher).
     """
     block_h = next_pow2(hidden)
-    if (block_rows, num_stages, num_warps, prefetch) == (None,) * 4 and rowwise_fits(
-            hidden, slots, elem_bytes, elem_bytes):
+    if ((block_rows, num_stages, num_warps, prefetch) == (None,) * 4
+            and rowwise_fits(hidden, slots, elem_bytes, res_bytes or elem_bytes)
+            and (rows_per_cta is None or rows_per_cta >= ROWWISE_WARPS)):
         return LaunchConfig(ROWWISE_WARPS, 1, ROWWISE_WARPS, False, ROWWISE_CHUNK, ROWWISE_DEPTH)
     pf_rows = block_rows or max(1, min(8, 8192 // block_h))
     pf_warps = num_warps or max(1, min(16, pf_rows * block_h // 128))  # >= 4 elements per thread
@@ -194,8 +198,6 @@ if HAS_TRITON:
         nprog = tl.num_programs(0)
         cols = tl.arange(0, BLOCK_H)
         cmask = cols < HIDDEN
-        b_ptr = BIAS
-        w_ptr = WEIGHT
         # Loop invariants, loaded once per CTA (the one-warp-per-row loop re-reads them per chunk).
         if CHUNK == 0:
             b, w = norm_params(BIAS, WEIGHT, cols, cmask, weight_offset, HAS_BIAS, HAS_WEIGHT)
@@ -224,8 +226,8 @@ if HAS_TRITON:
                 pre = rowwise_group(
                     pre, XR, PR, RR, m, pm, NXR, NPR, NRR, nm, npm,
                     RES_OUT + (rows * stride_res_out_row)[:, None], (rows < n_res_rows)[:, None],
-                    RES_OUT, m, NORMED + (rows * stride_normed_row)[:, None], NORMED, m, b_ptr,
-                    w_ptr, s, eps, weight_offset, c, BLOCK_ROWS, HIDDEN, CHUNK, DEPTH, RES_DTYPE,
+                    RES_OUT, m, NORMED + (rows * stride_normed_row)[:, None], NORMED, m, BIAS,
+                    WEIGHT, s, eps, weight_offset, c, BLOCK_ROWS, HIDDEN, CHUNK, DEPTH, RES_DTYPE,
                     OUT_DTYPE, MID_DTYPE, HAS_SCALE, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, HAS_MID,
                     HAS_BIAS or HAS_SCALE, False, False)
                 blk += nprog
@@ -311,8 +313,9 @@ def add_rmsnorm_rows(
                                 eps=eps, mid_dtype=mid_dtype, weight_offset=weight_offset)
         return
     slots = 0 if recv is None else recv.shape[0]
-    cfg = config or launch_config(hidden, slots=slots, elem_bytes=max(
-        t.element_size() for t in (x, residual, recv) if t is not None))
+    cfg = config or launch_config(
+        hidden, slots=slots, elem_bytes=max(t.element_size() for t in (x, residual, recv) if t is not None),
+        res_bytes=res_out.element_size(), rows_per_cta=-(-n_res_rows // max(1, int(num_ctas))))
     if recv is not None and (recv.stride(-1) != 1 or recv.stride(-2) != hidden):
         raise ValueError("add_rmsnorm_rows: recv slots must hold contiguous rows")
     for name, t in (("x", x), ("residual", residual), ("normed", normed), ("res_out", res_out)):

@@ -144,7 +144,7 @@ def push_meta(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
     Copy phases: as many tiles per iteration as make ~64 KB in flight per CTA, held in
     registers (no shared memory staging: a 2-row x 4-stage ``tl.range`` copy measured slower
     than 4 unpipelined rows, benchmarks/NOTES.md).  Add+norm, where :func:`rowwise_fits` (2
-    ranks, 16-bit inputs, 2048 <= H <= 4096): one warp per row, no CTA barrier
+    ranks, 16-bit inputs, 2048 <= H <= 4096, at least 8 shard rows per CTA): one warp per row, no CTA barrier
     (:func:`weave_compile.kernels.rownorm.rowwise_group`; 8 warps, groups of 8 rows made of
     ``norm_unroll`` copy tiles, so each CTA keeps the rows the barriers pair; measured on one
     H200 at H=4096, 8 CTAs: 85.7 GB/s per CTA against 77.7 for the register-prefetched tile, the
@@ -157,7 +157,10 @@ def push_meta(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
     CTA.  The shape does not depend on where the normed output goes (copied out or left in the
     ring): every rank compiles the same graph, and one shape won both (session 7)."""
 
-    if num_warps is None and rowwise_fits(hidden, world_size - 1, in_bytes, res_bytes):
+    if (num_warps is None and rowwise_fits(hidden, world_size - 1, in_bytes, res_bytes)
+            and math.ceil(rows_per_rank / max(1, comm_ctas)) >= ROWWISE_WARPS):
+        # (a CTA with fewer rows than warps would leave warps idle, each busy one walking its
+        # whole row: decode-sized shards keep the prefetched tile)
         block_h, block_rows, warps, grid = _warps_and_rows(hidden, rows_per_rank, comm_ctas,
                                                            max(1, min(8, 8192 // next_pow2(hidden))),
                                                            ROWWISE_WARPS)

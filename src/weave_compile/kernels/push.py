@@ -28,20 +28,23 @@ Bytes in flight, not the hardware, set the bandwidth one SM reaches (DESIGN.md s
 8 KB row in flight per CTA moves 34-39 GB/s, four rows 86-91 GB/s).  So every phase keeps
 several tiles of ``BLOCK_ROWS`` rows in flight per CTA: the copy phases load ``COPY_UNROLL``
 tiles (one grid-stride iteration unrolled: the same rows per CTA) before storing them, and the
-add+norm loop (``NORM_PREFETCH``, the default) loads the next tile's inputs into registers
-before this tile's math and stores, so few CTAs carry the traffic.  Where that does not fit
+add+norm loop (``NORM_PREFETCH``) loads the next tile's inputs into registers before this
+tile's math and stores, so few CTAs carry the traffic.  Where that does not fit
 the registers the add+norm loop is a ``tl.range`` software pipeline of ``NORM_STAGES`` stages
 instead (Triton stages its loads in shared memory; slower: benchmarks/NOTES.md, session 5).
-With ``NORM_CHUNK`` > 0 (2 ranks, 2048 <= H <= 4096) the add+norm runs one warp per row instead
+With ``NORM_CHUNK`` > 0 (the default where :func:`weave_compile.kernels.launch.rowwise_fits`:
+2 ranks, 16-bit inputs, 2048 <= H, H x residual bytes <= 8 KB, and a shard of at least 8 rows per
+CTA) the add+norm runs one warp per row instead
 (:func:`weave_compile.kernels.rownorm.rowwise_group`): groups of ``BLOCK_ROWS x NORM_UNROLL``
 rows (the CTA's own rows, as in the copy phases) walk their columns in chunks loaded
 ``NORM_DEPTH`` chunks ahead, the rounded residual kept in registers, and a row's sum of squares
 never leaves its warp, so no CTA barrier holds the warps in step (85.7 against 77.7 GB/s per CTA
 at H=4096, 8 CTAs; NOTES.md, session 7).  :func:`weave_compile.kernels.launch.push_meta` picks
-the shape.  The two add+norm loops sum the
-peers' partials in different orders (``x + sum(peers)`` vs one at a time): bit-identical with
-bf16 inputs at 2-4 ranks (checked in the CPU interpreter), an fp32 ulp apart in places with fp32
-inputs and 3+ ranks.
+the shape.  The prefetched (and one-warp-per-row) loops and the pipelined one sum the peers'
+partials in different orders (``x + sum(peers)`` vs one at a time): bit-identical with bf16
+inputs at 2-4 ranks (checked in the CPU interpreter), an fp32 ulp apart in places with fp32
+inputs and 3+ ranks; the one-warp-per-row loop adds up a row's squares in its own order, so its
+normed rows can be an ulp from the others' (the residual cannot).
 
 ``PHASES`` (bitmask 1|2|4) and ``SYNC`` are measurement and simulation hooks: the per-CTA
 benchmark leaves phases out (barriers kept, so the pads still pair up), and the one-process CPU

@@ -214,7 +214,7 @@ if HAS_TRITON:
             kept = kept + (res,)
         rstd = tl.rsqrt(tl.sum(sq, axis=1) / HIDDEN + eps)[:, None]
         nxt = rowwise_first_loads(NXR, NPR, NRR, nm, npm, c, HIDDEN, CH, DEPTH, HAS_RESIDUAL)
-        if HAS_WEIGHT:  # the weight chunks one ahead of their use, so they are not loaded after a store
+        if HAS_WEIGHT:  # each weight chunk loaded one chunk before its use (an L1 hit, not waited on)
             wts = (_broadcast_row(WEIGHT, c, (c < HIDDEN)[None, :], ROWS, CH, FULL),)
         for k in tl.static_range(NCH):
             off = k * CH + c
