@@ -163,6 +163,18 @@ if HAS_TRITON:
         return tl.load(p, mask=tl.broadcast_to(cm, (ROWS, CH)), other=0.0).to(tl.float32)
 
     @triton.jit
+    def _store_chunk(LOCAL, m, PEERS, pm, v, off, cm, FULL: tl.constexpr, TO_PEERS: tl.constexpr):
+        """Store chunk ``v`` [ROWS, CH] at the rows ``LOCAL`` [ROWS, 1] where ``m``, and with
+        ``TO_PEERS`` at ``PEERS`` [P, ROWS, 1] where ``pm``; columns past H (``cm``) masked
+        unless every chunk is ``FULL``."""
+        if not FULL:
+            m = m & cm
+            pm = pm & cm[None, :, :]
+        tl.store(LOCAL + off[None, :], v, mask=m)
+        if TO_PEERS:
+            tl.store(PEERS + off[None, None, :], v[None, :, :], mask=pm)
+
+    @triton.jit
     def rowwise_group(pre, XR, PR, RR, m, pm, NXR, NPR, NRR, nm, npm, RO, ro_m, RP, rp_m, NO, NP,
                       np_m, BIAS, WEIGHT, scale, eps, weight_offset, c, ROWS: tl.constexpr,
                       HIDDEN: tl.constexpr, CH: tl.constexpr, DEPTH: tl.constexpr,
@@ -201,14 +213,7 @@ if HAS_TRITON:
             res = acc.to(RES_DTYPE)
             if ZERO_PAST_T:
                 res = tl.where(m, res, tl.zeros_like(res))
-            if FULL:
-                tl.store(RO + off[None, :], res, mask=ro_m)
-                if RES_PEERS:
-                    tl.store(RP + off[None, None, :], res[None, :, :], mask=rp_m)
-            else:
-                tl.store(RO + off[None, :], res, mask=ro_m & cm)
-                if RES_PEERS:
-                    tl.store(RP + off[None, None, :], res[None, :, :], mask=rp_m & cm[None, :, :])
+            _store_chunk(RO, ro_m, RP, rp_m, res, off, cm, FULL, RES_PEERS)
             rf = res.to(tl.float32)
             sq += rf * rf
             kept = kept + (res,)
@@ -227,12 +232,5 @@ if HAS_TRITON:
                     wts = wts + (_broadcast_row(WEIGHT, off + CH, (off + CH < HIDDEN)[None, :], ROWS, CH, FULL),)
                 y = y * (wts[k] + weight_offset)
             y = y.to(OUT_DTYPE)
-            if FULL:
-                tl.store(NO + off[None, :], y, mask=m)
-                if OUT_PEERS:
-                    tl.store(NP + off[None, None, :], y[None, :, :], mask=np_m)
-            else:
-                tl.store(NO + off[None, :], y, mask=m & cm)
-                if OUT_PEERS:
-                    tl.store(NP + off[None, None, :], y[None, :, :], mask=np_m & cm[None, :, :])
+            _store_chunk(NO, m, NP, np_m, y, off, cm, FULL, OUT_PEERS)
         return nxt
