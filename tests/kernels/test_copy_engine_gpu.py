@@ -286,7 +286,7 @@ def test_ce_graph_replay_new_data(sharded, seed):
 
 
 def _main() -> None:
-    """Script mode, without pytest (whose start on the device machine is in doubt, NOTES.md):
+    """Script mode, without pytest:
     ``python tests/kernels/test_copy_engine_gpu.py`` runs every case, printing one line each."""
     import random
     import sys

@@ -108,8 +108,8 @@ def test_push_meta_is_rank_independent_fits_and_covers_rows():
                                             seen[j] = pid
                         assert sorted(seen) == list(range(S))
                         assert owner.setdefault("pid", seen) == seen
-    # the shape measured fastest at H=4096, bf16, 2 ranks, 8 and 32 CTAs (benchmarks/NOTES.md,
-    # session 7): 2-row copy tiles, 4 of them (64 KB) in flight per copy iteration; the add+norm
+    # the shape measured fastest at H=4096, bf16, 2 ranks, 8 and 32 CTAs (docs/performance.md,
+    # section 2): 2-row copy tiles, 4 of them (64 KB) in flight per copy iteration; the add+norm
     # one warp per row over groups of 8 rows (the same rows of the CTA as the copy tiles), with
     # and without the output left in the ring; at 8192 (the kept row does not fit) the
     # register-prefetched [1, H] tile over 16 warps

@@ -4,7 +4,7 @@ The mechanism behind the "tensors in the cudagraph pool not tracked as outputs" 
 symbolic token count: a custom op that grows a module-level device buffer when a larger token
 count arrives does so inside cudagraph trees' warm-up, where this thread's allocations go to the
 graph pool. Grown through ``run_outside_graph_pool`` the buffer lives in the ordinary pool and
-recording succeeds (``benchmarks/repro_pool_check.py`` shows the failing form).
+recording succeeds (docs/performance.md, section 6, has the diagnosis).
 """
 
 from __future__ import annotations

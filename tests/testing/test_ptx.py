@@ -134,8 +134,8 @@ def _ptxas_spills(ptx: str) -> list[tuple[int, int]]:
     (3, 4096, torch.bfloat16, True), (8, 4096, torch.bfloat16, False), (2, 4096, torch.float32, False)])
 def test_default_push_shapes_do_not_spill(world, hidden, dtype, ring):
     """The register models (common.prefetch_fits, launch.rowwise_fits with its chunks ahead) pick
-    shapes ptxas fits without spilling: shapes over the register file measured 10-20x slower
-    (benchmarks/NOTES.md, session 5)."""
+    shapes ptxas fits without spilling: shapes beyond the register file spilled and ran at
+    4-12 GB/s per CTA (docs/performance.md, section 2)."""
     ptx = compile_variant_ptx("p2p", dtype, hidden, world_size=world, out_in_region=ring,
                               rows_per_rank=(1 << 20) // world, comm_ctas=8)
     assert all(s == (0, 0) for s in _ptxas_spills(ptx))
