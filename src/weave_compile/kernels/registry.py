@@ -42,7 +42,7 @@ class Site:
     group_name: str
     world_size: int
     num_tokens: Optional[int] = None  # the token count when static, None when symbolic
-    size_hint: Optional[int] = None  # the token count's size hint (the static count, or None)
+    size_hint: Optional[int] = None  # the token count, or Dynamo's hint of a symbolic one (None: no hint)
     residual_in_dtype: Optional[torch.dtype] = None  # the residual input's (None: no residual)
     split: bool = False  # the token split will run on this graph
     has_scale: bool = False
