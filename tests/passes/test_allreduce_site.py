@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from tests.passes.test_fuse_allreduce_rmsnorm_graphs import group  # noqa: F401  (a fake 2-rank group)
 from weave_compile.ops import FUSED_OP
 from weave_compile.passes.allreduce_site import NoMatch, match_site
 from weave_compile.passes.graph_utils import fake_mode_of, named_args
@@ -12,17 +12,6 @@ from weave_compile.passes.graph_utils import fake_mode_of, named_args
 ar_op = torch.ops._c10d_functional.all_reduce
 wait = torch.ops._c10d_functional.wait_tensor
 T, H = 6, 16
-
-
-@pytest.fixture(scope="module")
-def group():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield dist.group.WORLD.group_name
-    finally:
-        dist.destroy_process_group()
 
 
 def _graph(fn, n_inputs=4):
