@@ -65,8 +65,6 @@ class SplitTokensPass(WeavePass):
         return summary
 
     def _why_not(self, fused: list[fx.Node]) -> Optional[str]:
-        if not self.config.split:
-            return "split disabled by option"
         if not fused:
             return "no fused AllReduce-RMSNorm site"
         x = val(named_args(fused[0])["x"])
