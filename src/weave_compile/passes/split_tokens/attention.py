@@ -1,8 +1,8 @@
 """The token split of causal self-attention, the one op that mixes tokens.
 
 Prefix A attends over its own keys (the same attention op on A's q/k/v); suffix B needs A's
-keys too: ``weave::causal_suffix_attention`` of B's queries over ``[K_A; K_B]`` (the causal mask
-aligned to the lower right). A batch split needs no rewrite: each half runs the same op on whole
+keys too: ``weave::causal_suffix_attention`` of B's queries over A's keys (all visible) and B's
+own (causal), which takes the halves' keys and values as they are. A batch split needs no rewrite: each half runs the same op on whole
 sequences. An explicit ``[.., S, S]`` mask (how Hugging Face models reach the graph) is checked,
 on the device and without a host sync, to be exactly causal (:func:`assert_causal`).
 """
@@ -104,7 +104,8 @@ def assert_causal(rw: Rewriter, mask: fx.Node, tm: torch.Tensor) -> None:
 
 
 def _causal_halves(rw: Rewriter, n: fx.Node, sq: Split, sk: Split, sv: Split, overrides: dict) -> SplitTuple:
-    """A: the same attention op on its own q/k/v; B: ``causal_suffix_attention`` over [K_A; K_B]."""
+    """A: the same attention op on its own q/k/v; B: ``causal_suffix_attention`` of B's queries over
+    A's and B's keys, passed as they are (no ``[K_A; K_B]`` concatenation in the graph)."""
     schema = n.target._schema
     bound = named_args(n)
     bound.update({k: v for k, v in overrides.items() if k in bound})
@@ -113,7 +114,6 @@ def _causal_halves(rw: Rewriter, n: fx.Node, sq: Split, sk: Split, sv: Split, ov
     kwargs = {a.name: bound[a.name] for a in schema.arguments if a.kwarg_only}
     a_call = rw.mk(n.target, args, kwargs, half=0)
     a_out = rw.mk(operator.getitem, (a_call, 0), half=0)
-    k_all = rw.mk(aten.cat.default, (list(sk.halves), 2), half=1)
-    v_all = rw.mk(aten.cat.default, (list(sv.halves), 2), half=1)
-    b_out = rw.mk(SUFFIX_ATTENTION, (sq.halves[1], k_all, v_all, bound.get("scale")), half=1)
+    b_out = rw.mk(SUFFIX_ATTENTION, (sq.halves[1], sk.halves[0], sv.halves[0], sk.halves[1], sv.halves[1],
+                                     bound.get("scale")), half=1)
     return SplitTuple({0: Split(2, (a_out, b_out))})
