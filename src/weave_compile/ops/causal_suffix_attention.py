@@ -185,7 +185,10 @@ def attend_backend(backend: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 def choose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: Optional[float]) -> int:
     """The backend SDPA's own dispatch picks for these inputs, if it returns a log-sum-exp."""
     gqa = q.shape[1] != k.shape[1]
-    backend = int(torch._fused_sdp_choice(q, k, v, None, 0.0, causal, scale=scale, enable_gqa=gqa))
+    try:
+        backend = int(torch._fused_sdp_choice(q, k, v, None, 0.0, causal, scale=scale, enable_gqa=gqa))
+    except RuntimeError as e:  # no backend at all (every one disabled or refusing)
+        raise NoFastPath(f"SDPA has no backend for these inputs: {str(e)[:200]}") from e
     if backend in (CUDNN, FLASH) or (backend == EFFICIENT and not gqa):
         return backend
     why = "with grouped-query heads" if backend == EFFICIENT else "(no log-sum-exp)"
