@@ -195,3 +195,20 @@ def test_triton_merge_kernel_in_the_interpreter(seed):
     p = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT, str(seed)], env=env, capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0 and "interp ok" in p.stdout, p.stdout[-3000:] + p.stderr[-6000:]
+
+
+@pytest.mark.skipif(not csa.HAS_TRITON, reason="triton not installed")
+@pytest.mark.parametrize("dtype,d", [("bf16", 128), ("fp16", 64), ("fp32", 128), ("bf16", 24)])
+def test_merge_kernel_compiles_for_sm90(dtype, d):
+    """What the interpreter does not check: the kernel through Triton's compiler and ptxas (no GPU)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = csa._combine_kernel
+    ptrs = {"O1": f"*{dtype}", "O2": f"*{dtype}", "OUT": f"*{dtype}", "L1": "*fp32", "L2": "*fp32"}
+    block_d = 1 << (d - 1).bit_length()
+    consts = {"BLOCK_T": max(1, min(64, 4096 // block_d)), "BLOCK_D": block_d}
+    signature = {a: ptrs.get(a, "constexpr" if a in consts else "i32") for a in fn.arg_names}
+    compiled = csa.triton.compile(ASTSource(fn, signature, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": 4, "num_stages": 1})
+    assert ".target sm_90" in compiled.asm["ptx"] and len(compiled.asm["cubin"]) > 0

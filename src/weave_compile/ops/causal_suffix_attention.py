@@ -17,15 +17,17 @@ Each call runs the backend PyTorch's own SDPA dispatch picks for its shapes
 (``torch._fused_sdp_choice``: cuDNN's sm90 flash kernel on H100/H200 where cuDNN is preferred, the
 kernel the whole layer's attention runs), through the aten op that returns the log-sum-exp, with
 grouped-query K/V unexpanded where the backend takes them so (cuDNN, flash). Measured on one
-H200 (T=8192 split at 4224, 16 q / 4 kv heads, d=128): SDPA with a lower-right causal mask (what
-this op did before) runs FlashAttention-2, 839 us; two cuDNN calls merged by unfused fp32 torch
-ops 553 us, by a compiled merge 374 us, against ~362 us at the whole's rate.
+H200 (T=8192 split at 4224, 16 q / 4 kv heads, d=128): SDPA with a lower-right causal mask (the
+fallback below) runs FlashAttention-2, 839 us; two cuDNN calls merged by unfused fp32 torch ops
+553 us, by a merge compiled into one kernel 374 us, against ~362 us at the whole's rate
+(``benchmarks/bench_split_attention.py`` times this op, its merge alone and the fallback).
 
 The op stays a custom op, not two SDPA calls and pointwise ops in the graph: the merge is one
-memory-bound pass either way (Inductor would fuse it into the copy that lays the output out for
-``o_proj``, the same single kernel), and inside the op the backend is chosen per call from the
-run-time shapes (cuDNN refuses a key length of 1, which a split at 1 or ``T - 1`` produces; a
-symbolic T cannot decide that at compile time).
+memory-bound pass either way (the 374 us above is that pass compiled by Inductor; in the graph it
+would at best fuse into the copy that lays the output out for ``o_proj``, which this op's output
+layout makes a view), and inside the op the backend is chosen per call from the run-time shapes
+(cuDNN refuses a key length of 1, which a split at 1 or ``T - 1`` produces; a symbolic T cannot
+decide that at compile time).
 
 **Checked once.** Before a backend's result is trusted, :func:`check_backend` runs it once per
 (backend, dtype, head dims, query heads per kv head) on a small problem against float64 (its
@@ -141,6 +143,16 @@ def combine_torch(o1, lse1, o2, lse2, out):
 # ----------------------------------------------------------------------------- the two parts
 
 
+def repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
+    """[B, Hkv, T, D] -> [B, Hkv * rep, T, D], query head ``h`` reading kv head ``h // rep``
+    (``repeat_interleave(rep, 1)`` as a broadcast and one copy: nothing for CUDA-graph capture
+    to synchronize on)."""
+    if rep == 1:
+        return x
+    b, h, t, d = x.shape
+    return x.unsqueeze(2).expand(b, h, rep, t, d).reshape(b, h * rep, t, d)
+
+
 def attend_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                 scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with explicit scores and its log-sum-exp, in fp32 (float64 for float64 inputs);
@@ -148,7 +160,7 @@ def attend_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     ``j <= i + Tk - Tq`` (lower right). For tests and :func:`check_backend`."""
     acc = torch.promote_types(q.dtype, torch.float32)
     rep = q.shape[1] // k.shape[1]
-    k, v = k.to(acc).repeat_interleave(rep, 1), v.to(acc).repeat_interleave(rep, 1)
+    k, v = repeat_kv(k.to(acc), rep), repeat_kv(v.to(acc), rep)
     tq, tk = q.shape[2], k.shape[2]
     s = (q.to(acc) @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
     if causal:
@@ -315,8 +327,7 @@ def _fallback(q, k_prefix, v_prefix, k, v, scale, why: str) -> torch.Tensor:
             "tokenweave: suffix attention runs SDPA with a lower-right causal mask over [K_A; K_B]: %s", why)
     k_all, v_all = torch.cat([k_prefix, k], 2), torch.cat([v_prefix, v], 2)
     rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k_all, v_all = k_all.repeat_interleave(rep, dim=1), v_all.repeat_interleave(rep, dim=1)
+    k_all, v_all = repeat_kv(k_all, rep), repeat_kv(v_all, rep)
     out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=causal_lower_right(q.shape[2], k_all.shape[2]),
                                          scale=scale)
     res = _out_like(q, v)
