@@ -2,9 +2,10 @@
 
 Prefix A attends over its own keys (the same attention op on A's q/k/v); suffix B needs A's
 keys too: ``weave::causal_suffix_attention`` of B's queries over A's keys (all visible) and B's
-own (causal), which takes the halves' keys and values as they are. A batch split needs no rewrite: each half runs the same op on whole
-sequences. An explicit ``[.., S, S]`` mask (how Hugging Face models reach the graph) is checked,
-on the device and without a host sync, to be exactly causal (:func:`assert_causal`).
+own (causal), which takes the halves' keys and values as they are, with their kv heads. A batch
+split needs no rewrite: each half runs the same op on whole sequences. An explicit ``[.., S, S]``
+mask (how Hugging Face models reach the graph) is checked, on the device and without a host sync,
+to be exactly causal (:func:`assert_causal`).
 """
 
 from __future__ import annotations
