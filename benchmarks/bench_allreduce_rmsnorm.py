@@ -10,7 +10,7 @@ Variants (bf16, weight-only RMSNorm with a residual, eps 1e-6):
 * ``symm_2shot+norm``   copy into a symmetric buffer + ``symm_mem.two_shot_all_reduce_``
                         + torch.compile'd add+RMSNorm
 * ``symm_2shot``        ``two_shot_all_reduce_`` alone, in place (communication only)
-* ``fused_symm``        ours (``fused_allreduce_rmsnorm_symm``, p2p push kernel) as compiled
+* ``fused_symm``        ours (``weave_compile.kernels.p2p.launch.allreduce_rmsnorm``, the push kernel) as compiled
                         models run it: residual sharded by token rows in and out
                         (TokenWeave's layout), one row per CTA count; x is read in place and
                         the outputs written in place (no staging copy, no copy out)
@@ -43,7 +43,9 @@ from common import Timer, meta as run_meta  # noqa: E402  (keeps NVLink multicas
 
 import torch  # noqa: E402
 
-from weave_compile.kernels.workspace import _WORKSPACES  # noqa: E402
+from weave_compile.kernels.p2p import launch as p2p  # noqa: E402
+from weave_compile.kernels.shared import probe, workspace  # noqa: E402
+from weave_compile.kernels.shared.workspace import _WORKSPACES  # noqa: E402
 from weave_compile.testing.ptx import p2p_pull  # noqa: E402
 
 logger = logging.getLogger("bench_allreduce_rmsnorm")
@@ -73,8 +75,6 @@ def run(args) -> None:
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
-    arn = _import_kernel_module()
-
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
     dev = torch.device("cuda", local_rank)
@@ -84,7 +84,8 @@ def run(args) -> None:
     dtype = torch.bfloat16
     meta = dict(run_meta(dev), world_size=world, dtype="bf16", mode=args.mode)
 
-    variant, reason = arn.select_symm_variant(group_name, dev, dtype, max(args.hidden))
+    found = probe.probe(group_name, dev, dtype, max(args.hidden))
+    variant, reason = ("multimem" if found.multicast else "p2p" if found.mapped else None), found.reason
     if rank == 0:
         print(f"# {meta['gpu']} x{world}, torch {meta['torch']}, triton {meta['triton']}, "
               f"commit {meta['git_commit']}; symm variant: {variant} ({reason})", flush=True)
@@ -92,7 +93,7 @@ def run(args) -> None:
             print("# multicast present, but this benchmark only runs the p2p variant", flush=True)
     run_ours = variant is not None
     if args.explore_warps:
-        _explore_warps(arn, dist, group_name, dev, rank, world, dtype, args)
+        _explore_warps(dist, group_name, dev, rank, world, dtype, args)
     compiled_norm = torch.compile(add_rmsnorm, dynamic=True)
     timer = Timer(args.repeats, args.warmup, graph=args.mode == "graph")
     rows = []
@@ -103,7 +104,7 @@ def run(args) -> None:
         symm_buf = symm_mem.empty(Tmax, H, dtype=dtype, device=dev)
         symm_mem.rendezvous(symm_buf, group_name)
         if run_ours:
-            arn.reserve(group_name, dtype, H, Tmax, device=dev)
+            workspace.reserve(group_name, dtype, H, Tmax, device=dev)
         for T in args.tokens:
             g = torch.Generator(device=dev).manual_seed(1000 * rank + T)
             x = torch.randn(T, H, generator=g, device=dev).to(dtype)
@@ -131,19 +132,17 @@ def run(args) -> None:
                 res_shard = torch.nn.functional.pad(residual, (0, 0, 0, S * world - T))[rank * S:(rank + 1) * S].clone()
                 sharded = dict(residual_in_sharded=True, residual_out_sharded=True)
                 for c in args.ctas:
-                    points.append(("fused_symm", c, lambda c=c: arn.fused_allreduce_rmsnorm_symm(
-                        x, res_shard, None, weight, eps=EPS, group_name=group_name,
-                        comm_ctas=c, kernel="p2p", **sharded)))
+                    points.append(("fused_symm", c, lambda c=c: p2p.allreduce_rmsnorm(
+                        x, res_shard, None, weight, eps=EPS, group_name=group_name, comm_ctas=c, **sharded)))
                 for c in args.full_ctas:
-                    points.append(("fused_symm_full", c, lambda c=c: arn.fused_allreduce_rmsnorm_symm(
-                        x, residual, None, weight, eps=EPS, group_name=group_name,
-                        comm_ctas=c, kernel="p2p")))
+                    points.append(("fused_symm_full", c, lambda c=c: p2p.allreduce_rmsnorm(
+                        x, residual, None, weight, eps=EPS, group_name=group_name, comm_ctas=c)))
                 # The load-based sibling of multimem, with the staging copy and with x
                 # already in the symmetric input buffer (zero-copy producer).
                 points.append(("fused_pull", args.zc_ctas, lambda: p2p_pull(
                     x, res_shard, None, weight, eps=EPS, group_name=group_name,
                     comm_ctas=args.zc_ctas, **sharded)))
-                zc_in = arn.input_buffer(group_name, dtype, T, H, device=dev)
+                zc_in = input_buffer(group_name, dtype, T, H, dev)
                 zc_in.copy_(x)
                 points.append(("fused_pull_zc", args.zc_ctas,
                                lambda: p2p_pull(
@@ -156,7 +155,7 @@ def run(args) -> None:
                     print(f"H={H:5d} T={T:6d} {name:16s} ctas={ctas:2d} {us:10.1f} us",
                           flush=True)
             if run_ours and T == args.check_tokens:
-                _sanity_check(arn, dist, group_name, T, H, weight, dev, rank)
+                _sanity_check(dist, group_name, T, H, weight, dev, rank)
         del symm_buf
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
@@ -176,12 +175,19 @@ def run(args) -> None:
     dist.destroy_process_group()
 
 
-def _explore_warps(arn, dist, group_name, dev, rank, world, dtype, args) -> None:
+def input_buffer(group_name: str, dtype: torch.dtype, num_tokens: int, hidden: int, device) -> torch.Tensor:
+    """[T, H] view of this rank's symmetric input buffer (the zero-copy producer path of the pull
+    kernel): partial sums written here skip its staging copy. Write it on the stream that launches
+    the fused op, after the previous launch on that channel was enqueued."""
+    return workspace.get_workspace(group_name, dtype, hidden, num_tokens, device=device).inp[:num_tokens]
+
+
+def _explore_warps(dist, group_name, dev, rank, world, dtype, args) -> None:
     """Push kernel, sharded residual: time num_warps choices against the default heuristic."""
     timer = Timer(args.repeats, args.warmup, graph=args.mode == "graph")
     for H in (4096, 8192):
         weight = torch.randn(H, device=dev, generator=torch.Generator(device=dev).manual_seed(H)).to(dtype)
-        arn.reserve(group_name, dtype, H, 8192, device=dev)
+        workspace.reserve(group_name, dtype, H, 8192, device=dev)
         for T in (2048, 8192):
             x = torch.randn(T, H, device=dev, dtype=dtype)
             S = math.ceil(T / world)
@@ -189,22 +195,15 @@ def _explore_warps(arn, dist, group_name, dev, rank, world, dtype, args) -> None
             for c in (8, 32):
                 line = []
                 for w in (None, 4, 8, 16, 32):
-                    us = timer(lambda: arn.fused_allreduce_rmsnorm_symm(
+                    us = timer(lambda: p2p.allreduce_rmsnorm(
                         x, res, None, weight, eps=EPS, group_name=group_name, comm_ctas=c,
-                        kernel="p2p", residual_in_sharded=True, residual_out_sharded=True,
-                        num_warps=w), iters_for(T, H))
+                        residual_in_sharded=True, residual_out_sharded=True, num_warps=w), iters_for(T, H))
                     line.append(f"w{w or 'auto'}={us:7.1f}")
                 if rank == 0:
                     print(f"# explore H={H} T={T} ctas={c}: " + " ".join(line), flush=True)
 
 
-def _import_kernel_module():
-    from weave_compile import kernels
-
-    return kernels
-
-
-def _sanity_check(arn, dist, group_name, T, H, weight, dev, rank):
+def _sanity_check(dist, group_name, T, H, weight, dev, rank):
     """Each variant vs NCCL + eager add/RMSNorm on fresh data (prints max abs diff on rank 0)."""
     g = torch.Generator(device=dev).manual_seed(77 + rank)
     x = torch.randn(T, H, generator=g, device=dev).to(torch.bfloat16)
@@ -213,7 +212,7 @@ def _sanity_check(arn, dist, group_name, T, H, weight, dev, rank):
     y = x.clone()
     dist.all_reduce(y)
     n2, r2 = add_rmsnorm(y, residual, weight)
-    for variant, fn in (("p2p", arn.fused_allreduce_rmsnorm_symm), ("p2p_pull", p2p_pull)):
+    for variant, fn in (("p2p", p2p.allreduce_rmsnorm), ("p2p_pull", p2p_pull)):
         n1, r1 = fn(x, residual, None, weight, eps=EPS, group_name=group_name)
         d = torch.tensor([(n1.float() - n2.float()).abs().max().item(),
                           (r1.float() - r2.float()).abs().max().item()], device=dev)

@@ -29,7 +29,9 @@ from common import RESULTS, Timer, meta, write_csv  # noqa: E402  (sets the no-m
 
 import torch  # noqa: E402
 
-from weave_compile.kernels import addnorm, copy_engine as ce  # noqa: E402
+from weave_compile.kernels.ce import copy_engine as ce  # noqa: E402
+from weave_compile.kernels.shared import addnorm  # noqa: E402
+from weave_compile.kernels.spec import FusedSpec, Rows  # noqa: E402
 
 COLUMNS = ["gpu", "design", "phase", "ctas", "rows_per_rank", "hidden", "us", "gbps_per_cta",
            "torch", "triton", "git_commit", "date"]
@@ -39,6 +41,14 @@ SWEEP = [(1, 1, 8), (2, 1, 8), (4, 1, 16), (1, 3, 8), (2, 2, 8), (2, 3, 8), (2, 
          (1, 1, 8, True), (2, 1, 8, True), (1, 1, 16, True), (2, 1, 16, True), (4, 1, 16, True),
          # (rows, -, warps, -, chunk, depth): one warp per row, chunks loaded `depth` ahead (session 7)
          (8, 1, 8, False, 256, 8), (8, 1, 8, False, 256, 6), (8, 1, 8, False, 256, 4), (4, 1, 4, False, 256, 8)]
+
+
+def bytes_moved(hidden: int, rows: int, slots: int, in_bytes: int, res_bytes: int, out_bytes: int,
+                has_residual: bool) -> int:
+    """HBM bytes read + written by one add+norm launch (for its per-CTA bandwidth)."""
+    reads = rows * hidden * (in_bytes * (1 + slots) + (res_bytes if has_residual else 0))
+    writes = rows * hidden * (res_bytes + out_bytes)
+    return reads + writes
 
 
 def main() -> None:
@@ -79,7 +89,7 @@ def main() -> None:
         normed = torch.empty(T, H, device="cuda", dtype=dt)
         res_out = torch.empty(S, H, device="cuda", dtype=dt)
         me = wss[0].regions[0]
-        nbytes = addnorm.bytes_moved(H, S, N - 1, 2, 2, 2, True)
+        nbytes = bytes_moved(H, S, N - 1, 2, 2, 2, True)
 
         def norm_fn(ctas, cfg):
             return lambda: addnorm.add_rmsnorm_rows(xs[0][:S], me.recv[:N - 1], res_sh[0], None, weight, None, me.out,
@@ -129,9 +139,10 @@ def main() -> None:
             return fn
 
         for c in ctas_list:
-            fn = forked(lambda r: ce.ce_call(wss[r], xs[r], res_sh[r], None, weight, None, eps=1e-6,
-                                             residual_in_sharded=True, residual_out_sharded=True, num_ctas=c,
-                                             config=best_cfg))
+            spec = FusedSpec(residual_dtype=dt, out_dtype=dt, eps=1e-6, residual_in_sharded=True,
+                             residual_out_sharded=True, comm_ctas=c)
+            fn = forked(lambda r, spec=spec: ce.ce_call(wss[r], Rows(xs[r], res_sh[r], None, weight), spec,
+                                                        config=best_cfg))
             emit("ce", "whole_op", c, H, timer(fn, args.iters), None)
         if not args.no_push:  # the current push kernel, through helper kern's emulated-rank harness
             from weave_compile.testing.emulated_ranks import EmulatedRanks, push_allreduce_rmsnorm

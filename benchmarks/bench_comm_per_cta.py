@@ -20,12 +20,12 @@ rank are counted as read + written (bf16, H columns, S rows per rank, N ranks):
 
 ``gbps_per_cta`` = bytes / time / CTAs of one rank; ``timeouts`` counts barrier waits that hit
 the spin limit during the point (0 expected).  Designs: ``push`` (today's launch shape,
-:func:`weave_compile.kernels.launch.push_meta`: several tiles in flight per CTA; the add+norm
+:func:`weave_compile.kernels.p2p.launch.push_meta`: several tiles in flight per CTA; the add+norm
 one warp per row at 2 ranks and 2048 <= H <= 4096, else the next tile prefetched into registers) and
 ``push_v1`` (the same kernel with the first push kernel's launch shape: the pull kernel's rows
 per iteration, nothing unrolled or pipelined, :func:`push_v1_meta`), ``push_pipelined`` (the
 shape before the add+norm prefetch: 16 warps, its add+norm loop a 3-stage ``tl.range``
-cp.async pipeline, :func:`push_pipelined_meta`), ``push_ring`` (``push``
+cp.async pipeline, :func:`weave_compile.kernels.p2p.launch.pipelined_meta`), ``push_ring`` (``push``
 leaving its normed output in ring slot 1, ``out_slot``: its gather phase copies nothing with a
 sharded residual, so its ``gather`` rows time the barriers and its ``all`` row is the op without
 the second copy of the peers' rows); ``--sweep`` adds
@@ -102,25 +102,33 @@ def phase_bytes(phase: str, N: int, S: int, H: int, elem: int, sharded: bool, ri
             "norm+gather": reduce_norm + gather}[phase]
 
 
+def push_v1_meta(hidden: int, rows_per_rank: int, comm_ctas: int):
+    """The push kernel's first launch shape, kept for comparison: the pull kernel's rows per
+    iteration, no unrolling, no software pipelining."""
+    from weave_compile.kernels.shared.shapes import launch_meta
+
+    return launch_meta(hidden, rows_per_rank, comm_ctas)
+
+
 def _points(args, H: int, S: int, N: int):
     """(design, meta, phases) to time at this hidden size."""
     import dataclasses
 
-    from weave_compile.kernels import launch
+    from weave_compile.kernels.p2p import launch
 
     for design in args.designs:
         for ctas in args.ctas:
             if design == "push_v1":
-                m = launch.push_v1_meta(H, S, ctas)
+                m = push_v1_meta(H, S, ctas)
             elif design == "push_pipelined":
-                m = launch.push_pipelined_meta(H, S, ctas, N, 2, 2)
+                m = launch.pipelined_meta(H, S, ctas, N, 2, 2)
             else:
                 m = launch.push_meta(H, S, ctas, N, 2, 2)
             yield design, m, args.phases
     if args.sweep and H in args.sweep_hidden:
         for ctas in args.sweep_ctas:
             bases = {True: launch.push_meta(H, S, ctas, N, 2, 2),  # knobs of the default shape
-                     False: launch.push_pipelined_meta(H, S, ctas, N, 2, 2)}  # of the pipelined one
+                     False: launch.pipelined_meta(H, S, ctas, N, 2, 2)}  # of the pipelined one
             for name, (over, phases) in SWEEP.items():
                 if args.sweep_only and name not in args.sweep_only:
                     continue

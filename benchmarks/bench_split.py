@@ -37,6 +37,11 @@ and ``nocomm``. Writes ``split_fake_<dims>.csv`` / ``.png``::
 
     python benchmarks/bench_split.py --fake-comm --dims 8b --out benchmarks/results
 
+Kernel counts: ``kernels`` is every Inductor kernel launch in the variant's generated code per
+forward (Triton or C++; cuBLAS and custom ops not counted), ``pointwise_kernels`` the pointwise ones
+(``weave_compile.testing.kernel_counts``), from the compile at that T (with ``--dynamic``, the one
+compile). The split runs each per-token kernel once per half, so about twice the fused variant's.
+
 Timing: warm-up, then ``--repeats`` x (barrier, CUDA events around ``--iters`` back-to-back
 forward calls), median per call, max over ranks, divided by the layer count (the embedding's
 gather and the final norm are included, amortized). Rank 0 writes ``split_<dims>.csv`` (after
@@ -57,7 +62,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 COLUMNS = ["gpu", "torch", "triton", "git_commit", "date", "world_size", "mode", "dims", "layers", "T", "variant",
-           "split_at", "ms_per_layer"]
+           "split_at", "ms_per_layer", "kernels", "pointwise_kernels"]
 DIMS = {"8b": dict(hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=32000, eps=1e-5),
         "70b": dict(hidden=8192, heads=64, kv_heads=8, intermediate=28672, vocab=32000, eps=1e-5)}
 
@@ -110,6 +115,7 @@ def main() -> None:
 
     rank, dev = setup(args.fake_comm)
     import weave_compile
+    from weave_compile.testing.kernel_counts import compiled_launches, pointwise
 
     meta = dict(run_meta(dev), world_size=dist.get_world_size(),
                 dims=args.dims, layers=args.layers)
@@ -140,6 +146,7 @@ def main() -> None:
         weave_compile.reset()
         if kind in ("default", "nocomm"):
             c = torch.compile(model, mode=mode, dynamic=dynamic)
+        counts, fresh = {}, True
         for t in ts:
             if offset and t not in sweep_ts:
                 continue
@@ -151,8 +158,13 @@ def main() -> None:
                         **({"split_at": t // 2 + int(offset)} if offset else {})}
                 if t == ts[0] or offset or not dynamic:
                     c = torch.compile(model, backend="tokenweave", dynamic=dynamic, options=opts)
+                    fresh = True
+            elif not dynamic:
+                fresh = True  # Dynamo recompiles the static graph for this T
             x = tokens_for(t, dynamic)
             with torch.no_grad():
+                if fresh:  # the compiling call: count the kernels it generated
+                    counts, fresh = compiled_launches(c, x), False
                 ms = Timer(args.repeats, warmup=3, graph=False)(lambda: c(x), args.iters) / 1e3 / args.layers
             at = "-"
             if kind == "split":
@@ -160,9 +172,11 @@ def main() -> None:
                 at = text.split(" at ")[1].split(" (")[0].split(":")[0] if " at " in text else "unsplit"
                 if rank == 0:
                     print("  ", text[:300], flush=True)
-            rows.append({**meta, "T": t, "variant": variant, "split_at": at, "ms_per_layer": f"{ms:.4f}"})
+            rows.append({**meta, "T": t, "variant": variant, "split_at": at, "ms_per_layer": f"{ms:.4f}",
+                         "kernels": sum(counts.values()), "pointwise_kernels": pointwise(counts)})
             if rank == 0:
-                print(f"{variant:12s} T={t:6d} split_at={at}: {ms:.4f} ms/layer", flush=True)
+                print(f"{variant:12s} T={t:6d} split_at={at}: {ms:.4f} ms/layer, {sum(counts.values())} kernels "
+                      f"({pointwise(counts)} pointwise) per forward", flush=True)
                 write_csv(path, rows, COLUMNS)  # after every point: a timeout keeps what was measured
         c = model = None
         torch.cuda.empty_cache()

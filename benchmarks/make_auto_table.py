@@ -2,7 +2,7 @@
 
     python benchmarks/make_auto_table.py
 
-Sources (committed 2x H200 results; see benchmarks/NOTES.md):
+Sources (committed 2x H200 results; see docs/performance.md):
 * unsplit: ``results/allreduce_rmsnorm.csv``, the fused op alone, CUDA graphs, bf16, sharded residual:
   ``fused_symm`` is the p2p push kernel (best over its CTA counts), at H=8192 where measured;
 * split: ``results/split_8b.csv``, ``results/split_70b.csv``, the split model whose fused sites ran

@@ -371,8 +371,9 @@ def _parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--target", choices=("model", "causal_lm"), default="model",
                    help="prefill: the decoder stack (default) or the whole causal LM with logits of the last token")
     p.add_argument("--dynamic", action="store_true", help="mark the token dim dynamic: one compile per variant")
-    p.add_argument("--kernel", default="auto", choices=("auto", "reference", "p2p", "multimem", "oneshot"),
-                   help="tokenweave fused-op kernel")
+    from weave_compile.config import valid_kernels
+
+    p.add_argument("--kernel", default="auto", choices=valid_kernels(), help="tokenweave fused-op kernel")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="default bfloat16 on GPU, float32 on CPU")
     p.add_argument("--fx-cache", action="store_true",

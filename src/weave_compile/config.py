@@ -13,7 +13,6 @@ import hashlib
 import json
 from typing import Any, Literal, get_args, get_type_hints
 
-KernelChoice = Literal["auto", "reference", "p2p", "multimem", "oneshot", "ce", "nccl"]
 Compiler = Literal["inductor", "aot_eager"]
 SplitCost = Literal["measured", "formula"]
 Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
@@ -28,27 +27,25 @@ class TokenWeaveConfig:
     #: Keep the residual stream sharded by token rows between fused sites whose only
     #: consumer of the residual is the next fused site.
     shard_residual: bool = True
-    #: Implementation of the fused op: ``auto`` picks ``multimem`` where multicast exists, else
-    #: (``oneshot`` waits for its 2-GPU measurement) the fastest design measured for the world size, token count and split among those that can run
-    #: (``kernels/auto_table.py``; where nothing was measured, by capability: ``p2p``, else
-    #: ``reference``); the others force one: ``p2p``, ``multimem``, ``oneshot`` (barrier-free),
-    #: ``ce`` (copy engines + stream-memory-op flags + a few-CTA add+norm), ``nccl`` (NCCL
-    #: reduce-scatter/all-gather around the same add+norm), ``reference``. A forced kernel that
-    #: cannot run falls back to ``reference`` with a logged reason.
-    kernel: KernelChoice = "auto"
+    #: Implementation of the fused op: ``auto`` (the policy of ``kernels/auto.py``: a preferred
+    #: design where it can run, else the fastest design measured for the world size, token count
+    #: and split, else by capability) or the name of a registered implementation
+    #: (``weave_compile.kernels.names()``), which forces it. A forced implementation that cannot
+    #: run falls back to the fallback implementation with the reason in ``explain()``.
+    kernel: str = "auto"
     #: Let the ``p2p`` kernel leave its normed output in the symmetric output ring where the
     #: peers pushed it (no copy of their rows), wherever the ``output`` pass proves every reader
     #: runs before the ring slot is written again; elsewhere it is copied out as before, with the
-    #: reason in ``explain()``. Off by default until its GPU tests have run (benchmarks/NOTES.md).
+    #: reason in ``explain()``. Off by default until its GPU tests have run (docs/performance.md).
     output_in_place: bool = False
     #: Thread blocks the fused communication kernel may occupy (1-32). 32 measured fastest on
-    #: 2x H200 at every T >= 512 without overlap (benchmarks/NOTES.md); TokenWeave uses 2-8
+    #: 2x H200 at every T >= 512 without overlap (docs/performance.md); TokenWeave uses 2-8
     #: while overlapping.
     comm_ctas: int = 32
     #: Split each layer into a token prefix and suffix whose fused communication runs on a
     #: second, high-priority stream while the other half computes (TokenWeave's overlap).
     #: Off by default: on 2x H200 (p2p kernel, 32 SMs) it measured 3-14% slower than the fused
-    #: op alone at every token count (benchmarks/NOTES.md).
+    #: op alone at every token count (docs/performance.md).
     split: bool = False
     #: Fewest tokens (batch x sequence) for which the split is used; below it the fused op runs
     #: unsplit. TokenWeave's value for dense models.
@@ -72,6 +69,9 @@ class TokenWeaveConfig:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             _check_type(field.name, value, hints[field.name])
+        kernels = valid_kernels()
+        if self.kernel not in kernels:
+            raise ValueError(f"tokenweave option 'kernel' must be one of {kernels}, got {self.kernel!r}")
         if self.comm_ctas < 1 or self.comm_ctas > 32:  # the kernels' signal-pad budget per channel
             raise ValueError(f"tokenweave option 'comm_ctas' must be in [1, 32], got {self.comm_ctas}")
         if self.split_threshold < 2:
@@ -106,6 +106,13 @@ class TokenWeaveConfig:
         """A stable digest of every option, part of the Inductor FX-graph-cache key."""
         payload = json.dumps(dataclasses.asdict(self), sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def valid_kernels() -> list[str]:
+    """The values of the ``kernel`` option: ``auto`` and every registered implementation's name."""
+    from weave_compile.kernels import registry  # (imported here: the registry loads the kernels)
+
+    return [registry.AUTO, *registry.names()]
 
 
 def _check_type(name: str, value: Any, hint: Any) -> None:

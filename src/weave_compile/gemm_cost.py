@@ -3,8 +3,8 @@
 The split chooser (:mod:`weave_compile.smart_split`) needs, for every token-wise GEMM of the
 graph (``[M, K] @ [K, N]``, the weight stored ``[N, K]`` as ``nn.Linear`` keeps it), its time at
 the row counts ``M`` a split could give each half. A tile formula does not describe the kernels
-cuBLAS picks per ``M`` (issue 12: up to 8.5% off the best split), so on a GPU the curve is
-measured, at compile time, with the call Inductor makes for these shapes (``mm(x, w.t())``,
+cuBLAS picks per ``M`` (the formula's split measured up to 8.5% off the best one), so on a GPU
+the curve is measured, at compile time, with the call Inductor makes for these shapes (``mm(x, w.t())``,
 cuBLAS), and kept on disk:
 
 * **Key.** One JSON file per (device name, torch version, cuBLAS version and preferred BLAS

@@ -1,7 +1,8 @@
 """Cases, inputs, the float64 reference and output checks shared by the kernel tests.
 
-Not a test module: ``tests/kernels/test_launch.py`` (multi-process CPU simulation, 2-GPU
-suites) and ``tests/kernels/test_push.py`` (emulated ranks on one GPU) import it.
+Not a test module: ``tests/kernels/p2p/test_launch.py`` (multi-process CPU simulation, 2-GPU
+suites), ``tests/kernels/p2p/test_push.py`` (emulated ranks on one GPU) and the one-shot tests
+import it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 import pytest
 import torch
 
-from weave_compile.ops.reference import allreduce_add_rmsnorm_ref
+from weave_compile.kernels.reference import allreduce_add_rmsnorm_ref
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DT_NAME = {v: k for k, v in DTYPES.items()}
@@ -183,12 +184,11 @@ def run_script(path, args, timeout, env=None):
 
 
 def stub_workspace_allocation(monkeypatch, module) -> list:
-    """Let ``module.get_workspace`` (oneshot, copy_engine) run on CPU: its allocation records a
+    """Let ``module.get_workspace`` (oneshot.workspace, ce.copy_engine) run on CPU: its allocation records a
     stand-in with the capacity asked for (the list returned), no capture, a 2-rank group."""
     import types
 
-    from weave_compile.kernels import outside_pool
-    from weave_compile.ops import reference
+    from weave_compile.kernels.shared import outside_pool
 
     made = []
 
@@ -201,5 +201,5 @@ def stub_workspace_allocation(monkeypatch, module) -> list:
     monkeypatch.setattr(module, "_RETIRED", [])
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(outside_pool, "run_outside_graph_pool", lambda fn, device: fn())
-    monkeypatch.setattr(reference, "group_size", lambda group: 2)
+    monkeypatch.setattr(module, "group_size", lambda group: 2)
     return made

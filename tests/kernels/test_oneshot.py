@@ -1,4 +1,4 @@
-"""Tests for kernels/oneshot.py (barrier-free one-shot fused all-reduce + RMSNorm).
+"""Tests for kernels/oneshot/ (barrier-free one-shot fused all-reduce + RMSNorm).
 
 CPU: the real kernel under Triton's interpreter (``TRITON_INTERPRET=1``), one spawned process per
 rank (gloo only for the start/end barriers), every rank's buffer a shared file mapped by every
@@ -9,20 +9,24 @@ GPU (``test_oneshot_gpu.py``): emulated ranks on one GPU, sharing this file's ca
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
 import pytest
 import torch
 
-from weave_compile.kernels import oneshot
-from weave_compile.ops.reference import allreduce_add_rmsnorm_ref
+from weave_compile import kernels
+from weave_compile.kernels.oneshot import kernel as oneshot_kernel
+from weave_compile.kernels.oneshot import workspace as oneshot_ws
+from weave_compile.kernels.spec import FusedSpec, Rows
+from weave_compile.kernels.reference import allreduce_add_rmsnorm_ref
 from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
 
 from ._symm_cases import DTYPES as DT
 from ._symm_cases import shard_rows, stub_workspace_allocation
 
-requires_triton = pytest.mark.skipif(not oneshot.HAS_TRITON, reason="triton not installed")
+requires_triton = pytest.mark.skipif(not oneshot_kernel.HAS_TRITON, reason="triton not installed")
 # Elementwise |out - ref| <= atol + rtol * |ref| against the float64 reference (which rounds where
 # the contract rounds), by output dtype.
 TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16: (4e-3, 4e-3)}
@@ -95,9 +99,10 @@ def rank_args(c, world, rank, xs, residual):
 
 def launch_rank(ws, c, x, res_in, bias, weight, normed, res_out):
     in_sh, out_sh = flags(c)
-    oneshot.launch(ws, x, res_in, bias, weight, normed, res_out, eps=1e-6,
-                   mid_dtype=DT[c["mid"]] if c["mid"] else None, weight_offset=c["woff"],
-                   residual_in_sharded=in_sh, residual_out_sharded=out_sh, num_ctas=c["ctas"])
+    spec = FusedSpec(residual_dtype=res_out.dtype, out_dtype=normed.dtype, eps=1e-6,
+                     mid_dtype=DT[c["mid"]] if c["mid"] else None, weight_offset=c["woff"],
+                     residual_in_sharded=in_sh, residual_out_sharded=out_sh, comm_ctas=c["ctas"])
+    oneshot_kernel.launch(ws, Rows(x, res_in, bias, weight), spec, normed, res_out)
 
 
 def expected(c, xs, residual, bias, weight):
@@ -141,12 +146,12 @@ def mismatches(c, world, rank, normed, res_out, ref_n, ref_r) -> list[str]:
 
 def test_sentinel_is_negative_zero():
     for dt in DT.values():
-        s = oneshot.sentinel_tensor(dt)
+        s = oneshot_ws.sentinel_tensor(dt)
         assert s.item() == 0.0 and torch.signbit(s).item(), dt
 
 
 def test_layout_regions_aligned_and_disjoint():
-    lay = oneshot.layout(100, 3, 40, torch.bfloat16, torch.float32)
+    lay = oneshot_ws.layout(100, 3, 40, torch.bfloat16, torch.float32)
     assert lay.src_bytes >= 100 * 40 * 2 and lay.src_bytes % 256 == 0
     assert lay.res_off == 3 * lay.src_bytes
     assert lay.slot_bytes >= lay.res_off + 100 * 40 * 4 and lay.slot_bytes % 256 == 0
@@ -154,9 +159,9 @@ def test_layout_regions_aligned_and_disjoint():
 
 
 def test_poison_fills_every_region_with_sentinel():
-    lay = oneshot.layout(8, 2, 16, torch.bfloat16, torch.float32)
+    lay = oneshot_ws.layout(8, 2, 16, torch.bfloat16, torch.float32)
     buf = torch.zeros(lay.total, dtype=torch.uint8)
-    oneshot.poison_(buf, lay, 2, 16, torch.bfloat16, torch.float32)
+    oneshot_ws.poison_(buf, lay, 2, 16, torch.bfloat16, torch.float32)
     for s in range(3):
         xs = buf[s * lay.slot_bytes:s * lay.slot_bytes + 2 * lay.src_bytes].view(torch.int16)
         assert bool((xs == -(1 << 15)).all())
@@ -164,19 +169,26 @@ def test_poison_fills_every_region_with_sentinel():
         assert bool((rs == -(1 << 31)).all())
 
 
-def test_choose_by_bytes_and_static_t():
+def test_choose_by_bytes_and_static_t(monkeypatch):
+    from weave_compile.kernels import auto, oneshot
+    from weave_compile.kernels.shared import probe
+
     H, dt = 4096, torch.bfloat16
+    impl = dataclasses.replace(kernels.get("oneshot"), auto_ready=True)  # as once measured across GPUs
+    site = kernels.Site(device=torch.device("cuda", 0), dtype=dt, residual_dtype=dt, out_dtype=dt, hidden=H,
+                        group_name="g", world_size=2)
     limit_rows = oneshot.ONESHOT_MAX_BYTES // (H * 2)
-    assert oneshot.choose("auto", limit_rows, H, dt)[0]
-    assert not oneshot.choose("auto", limit_rows + 1, H, dt)[0]
-    use, why = oneshot.choose("auto", None, H, dt)
+    assert auto.verdict(impl, dataclasses.replace(site, num_tokens=limit_rows))[0]
+    assert not auto.verdict(impl, dataclasses.replace(site, num_tokens=limit_rows + 1))[0]
+    use, why = auto.verdict(impl, site)
     assert not use and "symbolic" in why
-    assert oneshot.choose("oneshot", 10**6, H, dt) == (True, "requested")
+    monkeypatch.setattr(probe, "probe", lambda *a, **k: probe.SymmProbe(True, False, "mapped"))
+    assert auto.choose("oneshot", dataclasses.replace(site, num_tokens=10**6)) == ("oneshot", "requested")
 
 
 def test_traffic_model_two_ranks_equals_two_shot_nvlink_bytes():
     # At N = 2 one-shot moves T*H*b each way, like reduce-scatter + all-gather (T*H*b/2 + T*H*b/2).
-    m = oneshot.traffic_model(256, 8192, torch.bfloat16, 2)
+    m = oneshot_kernel.traffic_model(256, 8192, torch.bfloat16, 2)
     assert m["nvlink_out"] == m["nvlink_in"] == 256 * 8192 * 2
 
 
@@ -214,9 +226,9 @@ def _sim_rank(rank, world, files, groups, seed):
     for gi, (H, dts, rdts, calls) in enumerate(groups):
         dt, rdt = DT[dts], DT[rdts] if rdts else DT[dts]
         cap = _capacity(calls, world)
-        lay = oneshot.layout(cap, world, H, dt, rdt)
+        lay = oneshot_ws.layout(cap, world, H, dt, rdt)
         bufs = [torch.from_file(files[gi][p], shared=True, size=lay.total, dtype=torch.uint8) for p in range(world)]
-        ws = oneshot.workspace_from_buffers(bufs, rank, hidden=H, in_dtype=dt, res_dtype=rdt, capacity=cap)
+        ws = oneshot_ws.workspace_from_buffers(bufs, rank, hidden=H, in_dtype=dt, res_dtype=rdt, capacity=cap)
         dist.barrier()  # every rank's buffer is poisoned before anyone pushes
         for ci, c0 in enumerate(calls):
             c = dict(c0, seed=seed + 1000 * gi + c0["seed"])
@@ -242,7 +254,7 @@ def test_oneshot_in_cpu_interpreter(world, tmp_path, monkeypatch, seed):
     files = []
     for gi, (H, dts, rdts, calls) in enumerate(SIM_GROUPS):
         dt, rdt = DT[dts], DT[rdts] if rdts else DT[dts]
-        total = oneshot.layout(_capacity(calls, world), world, H, dt, rdt).total
+        total = oneshot_ws.layout(_capacity(calls, world), world, H, dt, rdt).total
         paths = []
         for p in range(world):
             path = str(tmp_path / f"g{gi}_r{p}.bin")
@@ -283,10 +295,10 @@ def _compile_sm90(dtype, rdt, *, sharded: bool):
     from triton.compiler import ASTSource
     import triton
 
-    from weave_compile.kernels.common import sig_dtype as _sig_dtype, tl_dtype as _tl_dtype
+    from weave_compile.kernels.shared.common import sig_dtype as _sig_dtype, tl_dtype as _tl_dtype
 
-    fn = oneshot._oneshot_allreduce_rmsnorm_kernel
-    meta = oneshot.launch_meta(4096, 256, 32)
+    fn = oneshot_kernel._oneshot_allreduce_rmsnorm_kernel
+    meta = oneshot_kernel.launch_meta(4096, 256, 32)
     ptr = {"PTR_TABLE": "*i64", "STATE": "*i32", "X": _sig_dtype(dtype), "RESIDUAL": _sig_dtype(rdt),
            "BIAS": _sig_dtype(dtype), "WEIGHT": _sig_dtype(dtype), "NORMED": _sig_dtype(dtype),
            "RESIDUAL_OUT": _sig_dtype(rdt)}
@@ -295,8 +307,8 @@ def _compile_sm90(dtype, rdt, *, sharded: bool):
     runtime = {**ptr, **{n: "i32" for n in ints}, "slot_bytes": "i64", "src_bytes": "i64", "res_off": "i64",
                "eps": "fp32", "weight_offset": "fp32"}
     consts = dict(WORLD_SIZE=2, HIDDEN=4096, BLOCK_H=meta.block_h, BLOCK_ROWS=meta.block_rows,
-                  IN_DTYPE=_tl_dtype(dtype), IN_BITS=oneshot._tl_int(dtype), IN_SENT=oneshot.SENTINEL[dtype],
-                  RIN_DTYPE=_tl_dtype(rdt), RIN_BITS=oneshot._tl_int(rdt), RIN_SENT=oneshot.SENTINEL[rdt],
+                  IN_DTYPE=_tl_dtype(dtype), IN_BITS=oneshot_kernel._tl_int(dtype), IN_SENT=oneshot_ws.SENTINEL[dtype],
+                  RIN_DTYPE=_tl_dtype(rdt), RIN_BITS=oneshot_kernel._tl_int(rdt), RIN_SENT=oneshot_ws.SENTINEL[rdt],
                   OUT_DTYPE=_tl_dtype(dtype), RES_DTYPE=_tl_dtype(rdt), MID_DTYPE=_tl_dtype(torch.float32),
                   HAS_BIAS=True, HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_MID=False,
                   RESIDUAL_IN_SHARDED=sharded, RESIDUAL_OUT_SHARDED=sharded, PUSH_RES=sharded, SPIN_LIMIT=0)
@@ -321,22 +333,23 @@ def test_compiles_for_sm90_with_volatile_waits_and_no_multimem(dtype, rdt, shard
 
 
 @pytest.mark.parametrize("requested,variant,tokens,want,reason", [
-    ("auto", "p2p", 64, "p2p", "auto waits for its 2-GPU measurement"),  # fits, not yet measured
-    ("auto", "p2p", 4096, "p2p", "not one-shot: T*H*b = 33554432 B > "),
-    ("auto", "p2p", None, "p2p", "not one-shot: symbolic token count"),
+    ("auto", "p2p", 64, "p2p", "auto waits for its measurement across GPUs"),  # fits, not yet measured
+    ("auto", "p2p", 4096, "p2p", "not oneshot: T*H*b = 33554432 B > "),
+    ("auto", "p2p", None, "p2p", "not oneshot: symbolic token count"),
     ("auto", "multimem", 64, "multimem", "auto: "),  # with multicast, multimem stays the pick (unmeasured)
     ("oneshot", "p2p", 4096, "oneshot", "requested"),
     ("p2p", "p2p", 64, "p2p", "requested"),
 ])
 def test_select_kernel_picks_oneshot_below_crossover(monkeypatch, requested, variant, tokens, want, reason):
-    from weave_compile import kernels as symm
-    from weave_compile.ops import selection
-    from weave_compile.ops.selection import select_kernel
+    from weave_compile.kernels import auto
+    from weave_compile.kernels.shared import probe
 
-    monkeypatch.setattr(symm, "select_symm_variant", lambda *a, **k: (variant, f"{variant} usable"))
-    monkeypatch.setattr(selection, "group_size", lambda group_name: 2)  # no process group named "g" here
-    kernel, why = select_kernel(requested, torch.device("cuda", 0), (torch.bfloat16,) * 3, 4096, "g",
-                                num_tokens=tokens)
+    monkeypatch.setattr(probe, "probe", lambda *a, **k: probe.SymmProbe(variant is not None, variant == "multimem",
+                                                                        f"{variant} usable"))
+    dt = torch.bfloat16
+    site = kernels.Site(device=torch.device("cuda", 0), dtype=dt, residual_dtype=dt, out_dtype=dt, hidden=4096,
+                        group_name="g", world_size=2, num_tokens=tokens)
+    kernel, why = auto.choose(requested, site)
     assert kernel == want and reason in why, (kernel, why)
 
 
@@ -344,12 +357,12 @@ def test_a_grown_workspace_keeps_the_old_one_alive_and_grows_geometrically(monke
     """Growth replaces the cached workspace; the replaced one must stay alive even with no CUDA
     graph captured (a launch on it may still run here or on a peer), and capacities grow by at
     least 1.5x so that few are kept.  Allocation, capture state and group size are stubbed."""
-    made = stub_workspace_allocation(monkeypatch, oneshot)
+    made = stub_workspace_allocation(monkeypatch, oneshot_ws)
     dev = torch.device("cuda", 0)
-    get = lambda T: oneshot.get_workspace("g", torch.bfloat16, torch.bfloat16, 64, T, dev)  # noqa: E731
+    get = lambda T: oneshot_ws.get_workspace("g", torch.bfloat16, torch.bfloat16, 64, T, dev)  # noqa: E731
     first = get(12800)  # large against the 128-row rounding, so only the 1.5x growth gives 1.5x
-    assert get(first.capacity) is first and not oneshot._RETIRED  # fits: no new allocation
+    assert get(first.capacity) is first and not oneshot_ws._RETIRED  # fits: no new allocation
     second = get(first.capacity + 2)  # just past it
-    assert second is not first and oneshot._RETIRED == [first]
+    assert second is not first and oneshot_ws._RETIRED == [first]
     assert second.capacity >= 1.5 * first.capacity
     assert len(made) == 2

@@ -1,4 +1,4 @@
-"""GPU tests for kernels/oneshot.py with emulated ranks on ONE GPU (``-m gpu``).
+"""GPU tests for kernels/oneshot/ with emulated ranks on ONE GPU (``-m gpu``).
 
 Two GPU processes cannot share one GPU through symmetric memory, so the ranks live in this
 process: every rank's buffer is an ordinary allocation, every rank's pointer table lists all of
@@ -20,7 +20,7 @@ import torch
 
 from tests.kernels.test_oneshot import (
     TOL, case, dtypes, expected, flags, launch_rank, make_inputs, mismatches, poisoned_outputs, rank_args)
-from weave_compile.kernels import oneshot
+from weave_compile.kernels.oneshot import workspace as oneshot_ws
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
@@ -38,9 +38,9 @@ class EmulatedRanks:
     """``world`` ranks of one one-shot workspace in this process, one stream each."""
 
     def __init__(self, world: int, hidden: int, in_dtype, res_dtype, capacity: int):
-        lay = oneshot.layout(capacity, world, hidden, in_dtype, res_dtype)
+        lay = oneshot_ws.layout(capacity, world, hidden, in_dtype, res_dtype)
         bufs = [torch.empty(lay.total, dtype=torch.uint8, device=DEV) for _ in range(world)]
-        self.ws = [oneshot.workspace_from_buffers(bufs, r, hidden=hidden, in_dtype=in_dtype, res_dtype=res_dtype,
+        self.ws = [oneshot_ws.workspace_from_buffers(bufs, r, hidden=hidden, in_dtype=in_dtype, res_dtype=res_dtype,
                                                   capacity=capacity) for r in range(world)]
         self.bufs = bufs
         self.world = world

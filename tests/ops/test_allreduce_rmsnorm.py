@@ -1,5 +1,6 @@
 """weave::allreduce_add_rmsnorm (reference implementation) and its async form on 2 gloo ranks vs the float64 oracle."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -7,8 +8,9 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from weave_compile.ops import ARG_NAMES, FUSED_OP, START_OP, WAIT_OP, allreduce_add_rmsnorm, allreduce_add_rmsnorm_ref
-from weave_compile.ops.reference import rows_per_rank
+from weave_compile.kernels.reference import allreduce_add_rmsnorm_ref
+from weave_compile.ops import ARG_NAMES, FUSED_OP, START_OP, WAIT_OP, allreduce_add_rmsnorm
+from weave_compile.rows import rows_per_rank
 from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
 from weave_compile.testing.numerics import REL_TOL, rel_err
 
@@ -156,44 +158,56 @@ def test_start_then_wait_equals_the_fused_op_on_cpu(seed):
     assert all(assert_ranks_ok(run_ranks(_start_then_wait, 2, args=(seed,), timeout=120)))
 
 
-def test_symm_kernels_get_every_argument_by_name_and_a_full_workspace_falls_back(monkeypatch, caplog):
-    """The wiring of the CUDA-only path, on CPU with a stand-in for the kernel launcher."""
+def test_an_implementation_gets_every_argument_as_rows_and_spec_and_a_full_workspace_falls_back(caplog):
+    """The op's dispatch (on CPU, with a registered stand-in for a GPU kernel): the 2-D rows and one
+    spec with every argument; the outputs back in the input's shape; a capacity error -> the fallback."""
     import logging
 
     import weave_compile.ops.allreduce_rmsnorm as mod
-    from weave_compile.ops.selection import symm_kernels
+    from weave_compile import kernels
 
-    symm = symm_kernels()
+    class Full(RuntimeError):
+        pass
 
     calls = []
 
-    def launcher(x, residual, bias, weight, **kw):
-        calls.append((x.shape, residual.shape, bias, weight.shape, kw))
-        return torch.zeros(x.shape), torch.ones(residual.shape)
+    def run(rows, spec):
+        calls.append((rows, spec))
+        if spec.out_slot == 1:
+            raise Full("workspace too small during capture")
+        return torch.zeros(rows.x.shape), torch.ones(rows.residual.shape)
 
-    monkeypatch.setattr(symm, "fused_allreduce_rmsnorm_symm", launcher)
-    x, res, w = torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.randn(8)
-    a = mod.bind((x, res, None, w), dict(eps=1e-5, group_name="g", residual_dtype=torch.float32,
-                                         out_dtype=torch.bfloat16, mid_dtype=None, weight_offset=1.0,
-                                         residual_in_sharded=False, residual_out_sharded=False,
-                                         kernel="p2p", comm_ctas=4, out_slot=2))
-    kernel, ctas = a.pop("kernel"), a.pop("comm_ctas")
-    a.pop("eps_tensor")  # as the op does for every kernel but the reference (a CPU eps becomes `eps`)
-    normed, res_out = mod._symm(kernel, ctas, **a)
-    assert normed.shape == (2, 3, 8) and res_out.shape == (2, 3, 8)  # back to the input's shape
-    (xs, rs, bias, ws, kw), = calls
-    assert xs == (6, 8) and rs == (6, 8) and bias is None and ws == (8,)
-    assert kw == dict(eps=1e-5, group_name="g", residual_dtype=torch.float32, out_dtype=torch.bfloat16,
-                      mid_dtype=None, weight_offset=1.0, residual_in_sharded=False, residual_out_sharded=False,
-                      comm_ctas=4, kernel="p2p", out_slot=2)
-
-    def full(*args, **kw):
-        raise symm.SymmCapacityError("workspace too small during capture")
-
-    monkeypatch.setattr(symm, "fused_allreduce_rmsnorm_symm", full)
-    with caplog.at_level(logging.WARNING, logger=mod.__name__):
-        assert mod._symm(kernel, ctas, **a) is None  # the caller runs the reference instead
-    assert "fell back to reference: workspace too small" in caplog.text
+    kernels.register(kernels.Implementation(name="standin", summary="test", check=lambda site: None, run=run,
+                                            capacity_error=Full, takes_out_slot=True))
+    try:
+        x, res, w = torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.randn(8)
+        args = dict(eps=1e-5, group_name="g", residual_dtype=torch.float32, out_dtype=torch.bfloat16, mid_dtype=None,
+                    weight_offset=1.0, residual_in_sharded=False, residual_out_sharded=False, kernel="standin",
+                    comm_ctas=4)
+        normed, res_out = mod._fused(x, res, None, w, out_slot=2, eps_tensor=torch.tensor(1e-3), **args)
+        assert normed.shape == (2, 3, 8) and res_out.shape == (2, 3, 8)  # back to the input's shape
+        assert torch.equal(normed, torch.zeros(2, 3, 8)) and torch.equal(res_out, torch.ones(2, 3, 8))
+        (rows, spec), = calls
+        assert rows.x.shape == (6, 8) and rows.residual.shape == (6, 8) and rows.bias is None
+        assert rows.weight.shape == (8,) and rows.scale is None
+        assert rows.eps_tensor is None  # it does not take one: the (CPU) tensor's value became eps
+        assert spec == kernels.FusedSpec(residual_dtype=torch.float32, out_dtype=torch.bfloat16,
+                                         eps=pytest.approx(1e-3), group_name="g", mid_dtype=None, weight_offset=1.0,
+                                         residual_in_sharded=False, residual_out_sharded=False, comm_ctas=4,
+                                         out_slot=2)
+        fallback = []
+        real = kernels.fallback()
+        kernels.registry.replace(dataclasses.replace(real, run=lambda rows, spec: fallback.append(spec) or (
+            torch.full(rows.x.shape, 3.0), torch.full(rows.x.shape, 4.0))))
+        try:
+            with caplog.at_level(logging.WARNING, logger=mod.__name__):
+                normed, res_out = mod._fused(x, res, None, w, out_slot=1, **args)
+        finally:
+            kernels.registry.replace(real)
+        assert len(fallback) == 1 and torch.equal(normed, torch.full((2, 3, 8), 3.0))  # the fallback's result
+        assert "standin kernel fell back to reference: workspace too small" in caplog.text
+    finally:
+        kernels.unregister("standin")
 
 
 def test_the_symm_kernels_take_no_scale():

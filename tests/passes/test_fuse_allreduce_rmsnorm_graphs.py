@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 ar_op = torch.ops._c10d_functional.all_reduce
 wait = torch.ops._c10d_functional.wait_tensor
-from weave_compile.passes.fuse_allreduce_rmsnorm import FUSED_OP as FUSED  # noqa: E402  (registers the op)
+from weave_compile.ops import FUSED_OP as FUSED  # noqa: E402  (registers the op)
 T, H = 6, 16
 F32, BF16 = torch.float32, torch.bfloat16
 

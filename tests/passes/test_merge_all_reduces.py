@@ -87,7 +87,7 @@ def test_in_place_form_with_views_casts_and_three_reductions(groups):
     merged = rep.sites[0].reason.split("one all_reduce for ")[1]
     assert sorted(merged.replace(" (merged)", "").split(" + ")) == ["all_reduce", "all_reduce_1", "all_reduce_2"]
     # The partials are summed before the collective, in their own dtype (no fp32 all_reduce).
-    from weave_compile.passes.fuse_allreduce_rmsnorm import FUSED_OP
+    from weave_compile.ops import FUSED_OP
 
     fused, = [n for n in _run.graph.nodes if n.target == FUSED_OP]
     assert fused.args[0].meta["val"].dtype == bf, after

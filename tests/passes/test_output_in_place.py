@@ -297,16 +297,24 @@ def test_every_slot_reuse_is_preceded_by_all_readers(extra_reads, via_mm):
             assert users <= anc[nxt] and a in anc[nxt] and nxt not in users, (i, extra_reads)
 
 
+def _force_p2p_without_symmetric_memory():
+    """Every site chooses ``p2p`` and reserves nothing (no symmetric memory on CPU; on CPU tensors the
+    op then runs the fallback, which ignores ``out_slot``)."""
+    import dataclasses
+
+    from weave_compile.kernels import auto, registry
+
+    auto.choose = lambda requested, site: ("p2p", "forced by the test")
+    registry.replace(dataclasses.replace(registry.get("p2p"), reserve=None))
+
+
 def _tp_llama_outputs(rank, world_size, seed):
     """TPLlama through the whole backend (aot_eager) with the kernel forced to ``p2p`` (on CPU the
     op still runs the reference, which ignores ``out_slot``): the sites' output labels and the
     error against eager, unsplit and split."""
     import weave_compile
     from tests.passes.split_tokens.helpers import THRESHOLD, tokens, tp_llama
-    from weave_compile.passes import fuse_allreduce_rmsnorm as fuse_mod
-
-    fuse_mod.select_kernel = lambda *a, **k: ("p2p", "forced by the test")
-    fuse_mod._reserve_workspace = lambda *a, **k: None  # no symmetric memory on CPU
+    _force_p2p_without_symmetric_memory()
     d, model = tp_llama(rank, world_size, seed, layers=3)
     ids = tokens(d, 1, 40, seed)
     out = {}
@@ -399,10 +407,7 @@ def _inductor_with_the_ring(rank, world_size, seed, device="cpu"):
     (split too)."""
     import weave_compile
     from tests.passes.split_tokens.helpers import THRESHOLD, tokens, tp_llama
-    from weave_compile.passes import fuse_allreduce_rmsnorm as fuse_mod
-
-    fuse_mod.select_kernel = lambda *a, **k: ("p2p", "forced by the test")
-    fuse_mod._reserve_workspace = lambda *a, **k: None
+    _force_p2p_without_symmetric_memory()
     _emulate_the_ring(device)
     out = {}
     x = torch.randn(9, 32, generator=torch.Generator().manual_seed(seed + rank))  # partial sums

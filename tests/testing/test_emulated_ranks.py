@@ -9,7 +9,7 @@ in two chunk sizes), and with the normed output left in a slot of the output rin
 the default shape and the one-warp-per-row loop), where the
 result must be the ring view itself and the other ring slots (the staging slot 0 included) must
 stay untouched. The GPU runs (concurrent ranks,
-real barriers) are in tests/kernels/test_push.py.
+real barriers) are in tests/kernels/p2p/test_push.py.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(THIS_FILE))))
 
 from tests.kernels._symm_cases import (DTYPES, case_name, check_outputs, make_case,  # noqa: E402
                                        make_inputs, reference, run_script, shard_rows)
-from weave_compile.kernels import HAS_TRITON, launch  # noqa: E402
-from weave_compile.kernels.common import OUT_RING_SLOTS  # noqa: E402
+from weave_compile.kernels.p2p import launch  # noqa: E402
+from weave_compile.kernels.shared.common import HAS_TRITON, OUT_RING_SLOTS  # noqa: E402
 from weave_compile.testing.emulated_ranks import EmulatedRanks, push_allreduce_rmsnorm  # noqa: E402
 
 CASES = [
@@ -78,8 +78,6 @@ def _shapes(c, world: int, out_slot: int, dt, rdt):
     loop too."""
     import dataclasses
 
-    from weave_compile.kernels import launch
-
     yield "default", None
     if out_slot < 0:
         # the 64-bit index arithmetic (the launcher picks it only past 2**31 elements, which
@@ -87,7 +85,7 @@ def _shapes(c, world: int, out_slot: int, dt, rdt):
         yield "default_int64", None
         S = math.ceil(c["T"] / world)
         args = (c["H"], S, c["ctas"], world, dt.itemsize, rdt.itemsize)
-        yield "pipelined", launch.push_pipelined_meta(*args)
+        yield "pipelined", launch.pipelined_meta(*args)
         # 1-row tiles: several unrolled iterations per CTA, so a wrong next-tile offset shows
         yield "prefetch_unroll2", dataclasses.replace(launch.push_meta(*args), block_rows=1, norm_unroll=2,
                                                       norm_prefetch=True)

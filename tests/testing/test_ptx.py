@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from weave_compile.kernels import HAS_TRITON
+from weave_compile.kernels.shared.common import HAS_TRITON
 from weave_compile.testing.ptx import compile_variant_ptx
 
 requires_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
@@ -18,7 +18,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @requires_triton
-@pytest.mark.parametrize("kernel", ["p2p", "p2p_pull", "multimem"])
+@pytest.mark.parametrize("kernel", ["push", "pull", "pull_multimem"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 def test_ptx_compiles_for_sm90(kernel, dtype):
     asm = compile_variant_ptx(kernel, DTYPES[dtype], 4096, return_all=True)
@@ -26,11 +26,11 @@ def test_ptx_compiles_for_sm90(kernel, dtype):
     assert ".target sm_90" in ptx
     assert len(asm["cubin"]) > 0  # ptxas accepted it (inline multimem asm included)
     has_ld, has_st = "multimem.ld_reduce" in ptx, "multimem.st" in ptx
-    if kernel == "multimem":
+    if kernel == "pull_multimem":
         assert has_ld and has_st
         suffix = {"bf16": "acc::f32.v4.bf16x2", "fp16": "acc::f32.v4.f16x2", "fp32": "v4.f32"}
         assert f"multimem.ld_reduce.relaxed.sys.global.add.{suffix[dtype]}" in ptx
-    elif kernel == "p2p_pull":
+    elif kernel == "pull":
         assert not has_ld and not has_st
         assert "ld.global.cg.v4" in ptx  # 16-byte peer loads
     else:  # push: 16-byte loads and stores only, no scalar element accesses
@@ -47,7 +47,7 @@ def test_ptx_compiles_for_sm90(kernel, dtype):
 
 
 @requires_triton
-@pytest.mark.parametrize("kernel", ["p2p", "p2p_pull", "multimem"])
+@pytest.mark.parametrize("kernel", ["push", "pull", "pull_multimem"])
 @pytest.mark.parametrize("kw", [
     dict(dtype=torch.bfloat16, hidden=5120, residual_in_sharded=True, residual_out_sharded=True),
     dict(dtype=torch.bfloat16, hidden=2048, residual_dtype=torch.float32,
@@ -59,7 +59,7 @@ def test_ptx_compiles_for_sm90(kernel, dtype):
 def test_ptx_compiles_flag_variants(kernel, kw):
     kw = dict(kw)
     ptx = compile_variant_ptx(kernel, kw.pop("dtype"), kw.pop("hidden"), **kw)
-    assert ("multimem.ld_reduce" in ptx) == (kernel == "multimem")
+    assert ("multimem.ld_reduce" in ptx) == (kernel == "pull_multimem")
 
 
 @requires_triton
@@ -68,11 +68,11 @@ def test_push_output_in_the_ring_compiles_with_vector_stores_and_no_gather(hidde
     """OUT_IN_REGION: the peers' stores go to a run-time ring row, still 16-byte vectors; the
     gather phase's copy of the normed rows is gone (fewer global loads than the copying mode)."""
     # One launch shape for both (forced, the prefetch loop's), so the load counts compare.
-    ring = compile_variant_ptx("p2p", dtype, hidden, residual_in_sharded=True, residual_out_sharded=True,
+    ring = compile_variant_ptx("push", dtype, hidden, residual_in_sharded=True, residual_out_sharded=True,
                                out_in_region=True, num_warps=16)
-    copying = compile_variant_ptx("p2p", dtype, hidden, residual_in_sharded=True, residual_out_sharded=True,
+    copying = compile_variant_ptx("push", dtype, hidden, residual_in_sharded=True, residual_out_sharded=True,
                                   num_warps=16)
-    default_ring = compile_variant_ptx("p2p", dtype, hidden, residual_in_sharded=True,
+    default_ring = compile_variant_ptx("push", dtype, hidden, residual_in_sharded=True,
                                        residual_out_sharded=True, out_in_region=True)
     assert "st.global.v4.b32" in default_ring and "multimem" not in default_ring
     assert "st.global.v4.b32" in ring and not re.search(r"(ld|st)\.global\.b(16|32)\b", ring)
@@ -86,7 +86,7 @@ def test_compile_rejects_bad_args():
     with pytest.raises(ValueError):
         compile_variant_ptx("nccl", torch.bfloat16, 4096)
     with pytest.raises(ValueError):
-        compile_variant_ptx("p2p", torch.bfloat16, 4100)
+        compile_variant_ptx("push", torch.bfloat16, 4100)
 
 
 @requires_triton
@@ -96,11 +96,11 @@ def test_push_kernel_keeps_the_next_tile_in_registers_or_in_a_pipeline():
     staging, shared memory only for the row reductions; with the warp count forced, the tl.range
     pipeline stages its loads with cp.async."""
     for hidden in (4096, 8192):
-        asm = compile_variant_ptx("p2p", torch.bfloat16, hidden, return_all=True)
+        asm = compile_variant_ptx("push", torch.bfloat16, hidden, return_all=True)
         assert "cp.async" not in asm["ptx"] and asm["shared"] < 4096, (hidden, asm["shared"])
-    piped = compile_variant_ptx("p2p", torch.bfloat16, 4096, num_warps=16, return_all=True)
+    piped = compile_variant_ptx("push", torch.bfloat16, 4096, num_warps=16, return_all=True)
     assert "cp.async" in piped["ptx"] and piped["shared"] > 32 * 1024
-    v1 = compile_variant_ptx("p2p_pull", torch.bfloat16, 4096)
+    v1 = compile_variant_ptx("pull", torch.bfloat16, 4096)
     assert "cp.async" not in v1
 
 
@@ -133,9 +133,9 @@ def _ptxas_spills(ptx: str) -> list[tuple[int, int]]:
     (2, 4096, torch.bfloat16, False), (2, 4096, torch.bfloat16, True), (2, 8192, torch.bfloat16, False),
     (3, 4096, torch.bfloat16, True), (8, 4096, torch.bfloat16, False), (2, 4096, torch.float32, False)])
 def test_default_push_shapes_do_not_spill(world, hidden, dtype, ring):
-    """The register models (common.prefetch_fits, launch.rowwise_fits with its chunks ahead) pick
+    """The register models (common.prefetch_fits, shapes.rowwise_fits with its chunks ahead) pick
     shapes ptxas fits without spilling: shapes over the register file measured 10-20x slower
-    (benchmarks/NOTES.md, session 5)."""
-    ptx = compile_variant_ptx("p2p", dtype, hidden, world_size=world, out_in_region=ring,
+    (one H200, docs/performance.md)."""
+    ptx = compile_variant_ptx("push", dtype, hidden, world_size=world, out_in_region=ring,
                               rows_per_rank=(1 << 20) // world, comm_ctas=8)
     assert all(s == (0, 0) for s in _ptxas_spills(ptx))

@@ -1,35 +1,32 @@
-"""Symmetric-memory kernels of the fused all-reduce + add + RMSNorm op.
+"""Implementations of ``weave::allreduce_add_rmsnorm`` (all-reduce + residual add + RMSNorm).
 
-Modules: :mod:`.common` (limits, dtype helpers), :mod:`.sync` (signal-pad barriers),
-:mod:`.multimem` (multimem PTX, compile-checked only), :mod:`.rownorm` (the one add + RMSNorm
-device body), :mod:`.push` (the ``p2p`` kernel), :mod:`.pull` (the load-based kernel behind
-``multimem``), :mod:`.workspace` (symmetric buffers and pointer tables), :mod:`.launch`
-(launch shapes, launchers, :func:`fused_allreduce_rmsnorm_symm`), :mod:`.select` (which kernel
-a group can run).  Importable without Triton and without CUDA: the kernels are then None and
-:func:`select_symm_variant` says why none can run.  Never creates multicast objects and never
-touches the variables that keep NVLink multicast off; ``multimem`` runs only when PyTorch
-itself made a multicast object (``multicast_ptr != 0``).
+One registry entry per implementation (:mod:`.registry`), one module or subpackage each:
+
+- :mod:`.reference`: reduce-scatter / add + RMSNorm / all-gather with functional collectives; the
+  fallback of every other, and the float64 oracle of the op's contract;
+- :mod:`.p2p`: the push kernel over peer-mapped symmetric memory (any NVLink / P2P machine);
+- :mod:`.multimem`: the pull kernel through NVLink SHARP (multicast machines; compile-checked here);
+- :mod:`.oneshot`: the barrier-free one-shot kernel for decode-sized token counts;
+- :mod:`.ce`: copy engines and stream-memory-op flags around a few-CTA add+norm;
+- :mod:`.nccl`: NCCL reduce-scatter / all-gather around the same add+norm.
+
+Around them: :mod:`.spec` (the op's arguments as the implementations receive them: a frozen
+:class:`FusedSpec` and the :class:`Rows` adapter), :mod:`.auto` (which implementation a site
+gets: the whole policy) with its measured table :mod:`.auto_table`, and :mod:`.shared`, what
+several implementations use: the add + RMSNorm device bodies (``rownorm``), the signal-pad
+barriers (``sync``), limits and dtype helpers (``common``), launch shapes (``shapes``), the
+few-CTA add+norm kernel (``addnorm``), the symmetric workspace, its probe and host path
+(``workspace``, ``probe``, ``symm_call``) and allocation outside CUDA-graph pools
+(``outside_pool``).
+
+Importable without Triton and without CUDA: the kernels are then absent and the capability
+checks say why. Nothing here creates multicast objects or touches the variables that keep NVLink
+multicast off; ``multimem`` runs only where PyTorch itself made a multicast object. Nothing here
+imports the op layer above (``ops/``); both use :mod:`weave_compile.rows`.
 """
 
-from .common import HAS_TRITON, SUPPORTED_DTYPES, vector_width
-from .launch import allreduce_rmsnorm_on, fused_allreduce_rmsnorm_symm
-from .select import SYMM_KERNELS, check_hidden, select_symm_variant
-from .sync import pad_offset_for
-from .workspace import SymmCapacityError, SymmWorkspace, get_workspace, input_buffer, reserve
+from .registry import AUTO, Implementation, Site, fallback, get, implementations, names, register, unregister
+from .spec import FusedSpec, Rows
 
-__all__ = [
-    "HAS_TRITON",
-    "SUPPORTED_DTYPES",
-    "SYMM_KERNELS",
-    "SymmCapacityError",
-    "SymmWorkspace",
-    "allreduce_rmsnorm_on",
-    "check_hidden",
-    "fused_allreduce_rmsnorm_symm",
-    "get_workspace",
-    "input_buffer",
-    "pad_offset_for",
-    "reserve",
-    "select_symm_variant",
-    "vector_width",
-]
+__all__ = ["AUTO", "FusedSpec", "Implementation", "Rows", "Site", "fallback", "get", "implementations", "names",
+           "register", "unregister"]

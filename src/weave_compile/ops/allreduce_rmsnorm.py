@@ -24,10 +24,12 @@ The arguments are defined once, by :func:`_arguments`; both ops get that schema
 (:data:`SCHEMA`), and :data:`ARG_NAMES` names them for the passes, which build and rewrite the
 ops by name (``weave_compile.passes.graph_utils.call_named`` / ``named_args`` / ``replace_args``).
 
-Implementations (``kernel`` argument, chosen at compile time by
-:func:`weave_compile.ops.selection.select_kernel`): ``reference``
-(:func:`weave_compile.ops.reference.reference_impl`; functional collectives, the fallback) and
-the symmetric-memory Triton kernels ``p2p`` / ``multimem`` of :mod:`weave_compile.kernels`.
+Implementations (the ``kernel`` argument, chosen at compile time by
+:func:`weave_compile.kernels.auto.choose`): the entries of :mod:`weave_compile.kernels.registry`.
+The op builds their :class:`~weave_compile.kernels.spec.FusedSpec` and
+:class:`~weave_compile.kernels.spec.Rows` once, here, and runs the chosen one; where it cannot
+run now (tensors on a device it does not run on, or a workspace that cannot grow inside CUDA-graph
+capture) the fallback runs instead.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ from typing import Any, Optional
 
 import torch
 
-from .reference import group_size, num_rows, reference_impl, rows_per_rank
-from .selection import KERNELS, NO_SCALE_KERNELS, SYMM_KERNELS, symm_kernels
+from weave_compile import kernels
+from weave_compile.kernels import FusedSpec, Rows
+from weave_compile.rows import group_size, num_rows, rows_per_rank
 
 log = logging.getLogger(__name__)
 
@@ -68,16 +71,18 @@ def _arguments(
 
     ``scale`` (a 0-d tensor, e.g. Gemma's embedding scale) multiplies the reduced sum. Like
     bias, residual and weight it must be the same on every rank (each row is computed on one
-    rank). The symmetric-memory kernels do not take it: the pass selects ``reference`` there.
-    ``kernel`` is one of :data:`KERNELS`; ``comm_ctas`` the thread blocks the kernels may use.
-    ``eps_tensor`` (a 0-d tensor), when given, replaces ``eps``: under ``torch.compile(dynamic=True)``
-    Dynamo turns a model's Python-float eps into a graph input. The symmetric-memory kernels read
-    it on the host, so the pass gives them only a CPU one (no device sync).
-    ``out_slot`` >= 0 lets the ``p2p`` kernel leave ``normed`` in that slot of the group's
-    symmetric output ring instead of copying the peers' rows out: the result is then a view of
-    memory the next call on that slot overwrites (on every rank), which is only correct where
-    :mod:`weave_compile.passes.output_in_place` proved every reader runs before that call. -1 (and
-    every other kernel): a fresh tensor.
+    rank).
+    ``kernel`` names a registered implementation (:func:`weave_compile.kernels.names`);
+    ``comm_ctas`` the thread blocks the communication may use. ``scale`` goes only to
+    implementations that take one (the pass chooses accordingly); ``eps_tensor`` (a 0-d tensor),
+    when given, replaces ``eps``: under ``torch.compile(dynamic=True)`` Dynamo turns a model's
+    Python-float eps into a graph input. Implementations that do not read it from a tensor get it
+    as a float, read on the host, so the pass gives them only a CPU one (no device sync).
+    ``out_slot`` >= 0 lets an implementation that takes it (``takes_out_slot``) leave ``normed`` in
+    that slot of the group's symmetric output ring instead of copying the peers' rows out: the
+    result is then a view of memory the next call on that slot overwrites (on every rank), which
+    is only correct where :mod:`weave_compile.passes.output_in_place` proved every reader runs
+    before that call. -1 (and every other implementation): a fresh tensor.
     """
     raise NotImplementedError
 
@@ -99,76 +104,40 @@ def bind(args: tuple, kwargs: dict) -> dict[str, Any]:
 def _fused(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """``(normed, residual_out)`` of ``all_reduce(x) (*scale) (+bias) (+residual) -> RMSNorm``; see module doc."""
     a = bind(args, kwargs)
-    kernel = a.pop("kernel")
-    comm_ctas = a.pop("comm_ctas")
-    out_slot = a.pop("out_slot")
-    if kernel != "reference":
-        # Only the reference takes a tensor eps; the kernels get a CPU 0-d one (the pass sees to
-        # it), read on the host with no device sync.
-        eps_tensor = a.pop("eps_tensor")
-        if eps_tensor is not None:
-            a["eps"] = float(eps_tensor)
-    if kernel not in KERNELS:
-        raise ValueError(f"weave::allreduce_add_rmsnorm: unknown kernel {kernel!r}; valid: {KERNELS}")
-    if a["scale"] is not None and kernel in NO_SCALE_KERNELS:
-        raise ValueError("weave::allreduce_add_rmsnorm: the symmetric-memory kernels take no scale")
-    if kernel in SYMM_KERNELS and a["x"].is_cuda:
-        out = _symm(kernel, comm_ctas, out_slot=out_slot, **a)
+    impl = kernels.get(a["kernel"])  # ValueError naming the valid ones
+    if a["scale"] is not None and not impl.takes_scale:
+        raise ValueError(f"weave::allreduce_add_rmsnorm: kernel {impl.name!r} is one of those that take no scale "
+                         f"({[e.name for e in kernels.implementations() if not e.takes_scale]})")
+    eps, eps_tensor = a["eps"], a["eps_tensor"]
+    if eps_tensor is not None and not impl.takes_eps_tensor:
+        eps, eps_tensor = float(eps_tensor), None  # a CPU tensor (the pass sees to it): no device sync
+    spec = FusedSpec(residual_dtype=a["residual_dtype"], out_dtype=a["out_dtype"], eps=eps,
+                     group_name=a["group_name"], mid_dtype=a["mid_dtype"], weight_offset=a["weight_offset"],
+                     residual_in_sharded=a["residual_in_sharded"], residual_out_sharded=a["residual_out_sharded"],
+                     comm_ctas=a["comm_ctas"], out_slot=a["out_slot"])
+    rows = Rows.of(a["x"], a["residual"], a["bias"], a["weight"], a["scale"], eps_tensor,
+                   residual_in_sharded=spec.residual_in_sharded)
+    return rows.restore(*_run(impl, rows, spec), spec.residual_out_sharded)
+
+
+def _run(impl: kernels.Implementation, rows: Rows, spec: FusedSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """``impl``'s outputs, or the fallback's where it cannot run now."""
+    fallback = kernels.fallback()
+    if impl is not fallback:
+        out: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        try:
+            out = impl.run(rows, spec)
+        except tuple(e for e in (impl.capacity_error,) if e is not None) as e:
+            # Its buffers cannot grow inside CUDA-graph capture: the fallback's collectives can.
+            _log_fallback_once(impl.name, fallback.name, str(e))
         if out is not None:
             return out
-    elif kernel == "oneshot" and a["x"].is_cuda:
-        out = _oneshot(comm_ctas, **a)
-        if out is not None:
-            return out
-    elif kernel in ("ce", "nccl") and (a["x"].is_cuda or kernel == "nccl"):
-        from weave_compile.kernels import comm_kernels
-
-        out = comm_kernels.dispatch(kernel, comm_ctas=comm_ctas, **a)
-        if out is not None:
-            return out
-    return reference_impl(**a)
-
-
-def _symm(kernel: str, comm_ctas: int, *, x, residual, bias, weight, residual_in_sharded,
-          residual_out_sharded, scale, **rest) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """The symmetric-memory kernel, or None where it cannot run now (the reference runs instead)."""
-    symm = symm_kernels()
-    hidden = x.shape[-1]
-    try:
-        normed, residual_out = symm.fused_allreduce_rmsnorm_symm(
-            x.reshape(-1, hidden),
-            None if residual is None else (residual if residual_in_sharded else residual.reshape(-1, hidden)),
-            None if bias is None else bias.reshape(hidden),
-            None if weight is None else weight.reshape(hidden),
-            residual_in_sharded=residual_in_sharded, residual_out_sharded=residual_out_sharded,
-            comm_ctas=comm_ctas, kernel=kernel, **rest,
-        )
-    except symm.SymmCapacityError as e:
-        # The workspace cannot grow inside CUDA-graph capture: the collective path can.
-        _log_fallback_once(kernel, str(e))
-        return None
-    return normed.reshape(x.shape), (residual_out if residual_out_sharded else residual_out.reshape(x.shape))
-
-
-def _oneshot(comm_ctas: int, *, x, residual, bias, weight, scale, **rest) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """The barrier-free one-shot kernel, or None where its buffers cannot grow now (reference runs)."""
-    from weave_compile.kernels import SymmCapacityError, oneshot
-
-    hidden = x.shape[-1]
-    try:
-        normed, residual_out = oneshot.oneshot_allreduce_rmsnorm(
-            x.reshape(-1, hidden), None if residual is None else residual.reshape(-1, hidden),
-            None if bias is None else bias.reshape(hidden), None if weight is None else weight.reshape(hidden),
-            num_ctas=comm_ctas, **rest)
-    except SymmCapacityError as e:
-        _log_fallback_once("oneshot", str(e))
-        return None
-    return normed.reshape(x.shape), (residual_out if rest["residual_out_sharded"] else residual_out.reshape(x.shape))
+    return fallback.run(rows, spec)
 
 
 @functools.lru_cache(maxsize=64)
-def _log_fallback_once(kernel: str, reason: str) -> None:
-    log.warning("weave::allreduce_add_rmsnorm: %s kernel fell back to reference: %s", kernel, reason)
+def _log_fallback_once(kernel: str, fallback: str, reason: str) -> None:
+    log.warning("weave::allreduce_add_rmsnorm: %s kernel fell back to %s: %s", kernel, fallback, reason)
 
 
 def _fake(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,12 +44,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional
 
 import torch
 import torch.fx as fx
 
-from weave_compile.config import TokenWeaveConfig
 from weave_compile.report import SiteReport
 
 from .base import WeavePass
@@ -168,12 +166,7 @@ def match_pair(add: fx.Node) -> tuple[Side, Side]:
 class MergeAllReducesPass(WeavePass):
     """Merge every pair of sum-reductions over one group that only feed one add; returns what it did."""
 
-    def __init__(self, config: Optional[TokenWeaveConfig] = None):
-        self.config = config
-
     def __call__(self, graph: fx.Graph) -> list[Merge]:
-        if self.config is not None and not self.config.fuse:
-            return []
         merges: list[Merge] = []
         origin: dict[str, tuple[str, ...]] = {}  # merged node name -> the original all_reduces
         fake_mode = None

@@ -3,7 +3,7 @@
 The ``p2p`` kernel's peers push their normed rows into this rank's output region; without this
 pass the kernel then copies them out to a fresh tensor (its gather phase: a second copy of
 (N-1)/N of the output). With ``out_slot=k`` the output *is* ring slot ``k`` of the region
-(:func:`weave_compile.kernels.workspace.ring_output`), and nothing is copied. That slot is
+(:func:`weave_compile.kernels.shared.workspace.ring_output`), and nothing is copied. That slot is
 written again, on every rank, by the next launch that uses it, so an output may live there only
 where this pass proves every use of it is over by then. For fused call ``B`` taking slot ``k``
 after call ``A`` left its output there, it requires:
@@ -27,8 +27,9 @@ after call ``A`` left its output there, it requires:
 Slot 0 of the ring is every copying launch's staging region (the peers' slots), so only slots
 ``1 .. OUT_RING_SLOTS - 1`` hold outputs; they are picked greedily in graph order, per workspace
 (group, dtypes, hidden). A call that finds no provably free slot copies as before; the reason is
-in ``explain()`` (the site's ``output`` column). Only ``kernel="p2p"`` leaves its output in place;
-the other kernels ignore ``out_slot``. Inductor must not reuse such an output's memory for
+in ``explain()`` (the site's ``output`` column). Only implementations that take an output slot
+(``takes_out_slot`` in their registry entry: the ``p2p`` kernel) leave their output in place; the
+others ignore ``out_slot``. Inductor must not reuse such an output's memory for
 another buffer (an in-place pointwise kernel would write into the ring): the op's lowering
 (:mod:`weave_compile.ops.lowering`) marks those outputs never-reuse; where it cannot be
 installed the pass leaves every output copied under Inductor, and a node annotated to fall back
@@ -44,7 +45,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from weave_compile.kernels.common import OUT_RING_SLOTS
+from weave_compile import kernels
+from weave_compile.kernels.shared.common import OUT_RING_SLOTS
 from weave_compile.ops import FUSED_OP, START_OP, WAIT_OP
 
 from .base import WeavePass
@@ -238,7 +240,7 @@ class OutputInPlacePass(WeavePass):
             if not allowed:
                 outcome[node] = why_off
                 continue
-            if args["kernel"] != "p2p":
+            if not kernels.get(args["kernel"]).takes_out_slot:
                 outcome[node] = f"copied (kernel {args['kernel']} returns a fresh tensor)"
                 continue
             if "should_fallback" in node.meta or node.meta.get("custom", {}).get("fallback_to_eager"):

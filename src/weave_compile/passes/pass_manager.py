@@ -14,7 +14,9 @@
 Split runs after fuse because fused sites delimit its segments; shard runs after split because it
 rewrites fused ops only, and per half after a split (each half's residual has its own rows);
 output runs last, on the final graph, because its proof is about every reader of every output.
-Each pass returns what it did; the manager assembles the graph's report from that.
+Which passes run for a config is decided here and only here (``fuse`` gates merge and fuse,
+``split``, ``shard_residual`` and ``output_in_place`` gate theirs). Each pass
+returns what it did; the manager assembles the graph's report from that.
 
 The manager is an Inductor ``CustomGraphPass``: its ``uuid()`` combines every pass's uuid, the
 config and the digest of every library module (:func:`.base.sources_digest`), so Inductor's
@@ -34,9 +36,10 @@ from weave_compile import agreement
 from weave_compile import report as report_mod
 from weave_compile.config import TokenWeaveConfig
 from weave_compile.ops import FUSED_OP, START_OP
+from weave_compile.report import SplitSummary
 
 from . import base, graph_utils
-from .fuse_allreduce_rmsnorm import FuseAllReduceRMSNormPass
+from .fuse_allreduce_rmsnorm import FuseAllReduceRMSNormPass, all_reduce_sites
 from .merge_all_reduces import MergeAllReducesPass, annotate_merged
 from .output_in_place import OFF, OutputInPlacePass
 from .shard_residual import ShardResidualPass
@@ -55,7 +58,7 @@ class WeavePassManager(CustomGraphPass):
         self.graph_reports: list[report_mod.GraphReport] = []
         #: per post-grad graph, its communication per group, for the ranks' first-call check
         self.comm_plans: list[dict] = []
-        self.merge = MergeAllReducesPass(config)
+        self.merge = MergeAllReducesPass()
         self.fuse = FuseAllReduceRMSNormPass(config)
         self.split = SplitTokensPass(config)
         self.shard = ShardResidualPass()
@@ -81,9 +84,12 @@ class WeavePassManager(CustomGraphPass):
         report = report_mod.new_graph(self.compiler)
         self.graph_reports.append(report)
         before = _count_ops(graph)
-        merges = self.merge(graph)
-        sites = annotate_merged(self.fuse(graph), merges)
-        split = self.split(graph)
+        if self.config.fuse:
+            merges = self.merge(graph)
+            sites = annotate_merged(self.fuse(graph), merges)
+        else:
+            sites = all_reduce_sites(graph, "fuse disabled by option")
+        split = self.split(graph) if self.config.split else SplitSummary(reason="split disabled by option")
         residual = self.shard(graph) if self.config.shard_residual else {}
         output = self.output(graph, *self._output_allowed())
         graph.lint()

@@ -4,7 +4,7 @@ Two processes cannot share one GPU through PyTorch symmetric memory (rendezvous 
 "allocations from overlapping devices"), and only a 1-GPU machine may be available.  So every
 rank's buffers (input / output / residual regions, signal pad, status word) are ordinary
 ``torch.empty`` allocations, every rank's pointer table is built from them by the same
-:func:`weave_compile.kernels.workspace.build_ptr_table` the real workspace uses, and every
+:func:`weave_compile.kernels.shared.workspace.build_ptr_table` the real workspace uses, and every
 rank's launch goes on its own CUDA stream.  The kernels' CTA-pairwise barriers need every grid
 resident at once: :meth:`EmulatedRanks.check_coresident` raises unless ``grid * N`` fits the
 SM count (one CTA per SM is then always possible).  A "peer" access is a local HBM access
@@ -19,7 +19,7 @@ CPU: under ``TRITON_INTERPRET=1`` one process cannot run ranks concurrently (the
 runs one program at a time and keeps global state), so :meth:`EmulatedRanks.run_phased` runs
 one phase of every rank after another with the barriers compiled out (the host orders the
 phases).  That checks data movement, addressing and math; the barriers themselves are
-simulated by the multi-process test (tests/kernels/test_launch.py).
+simulated by the multi-process test (tests/kernels/p2p/test_launch.py).
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from weave_compile.kernels import launch
-from weave_compile.kernels.common import MAX_CTAS, OUT_RING_SLOTS, interpreting
-from weave_compile.kernels.sync import pad_offset_for
-from weave_compile.kernels.workspace import SymmWorkspace, build_ptr_table, ring_output
+from weave_compile.kernels.p2p import launch
+from weave_compile.kernels.shared.common import MAX_CTAS, OUT_RING_SLOTS, interpreting
+from weave_compile.kernels.shared.sync import pad_offset_for
+from weave_compile.kernels.shared.workspace import SymmWorkspace, build_ptr_table, ring_output
+from weave_compile.kernels.spec import FusedSpec, Rows
 
 PAD_WORDS = (32 + 8 * MAX_CTAS) * 8  # channels 0..7 for up to 8 ranks
 
@@ -152,14 +153,17 @@ class EmulatedRanks:
 def push_allreduce_rmsnorm(ranks: EmulatedRanks, xs: Sequence[torch.Tensor],
                            residuals: Sequence[Optional[torch.Tensor]], bias=None, weight=None, *,
                            residual_out_sharded: bool = False, comm_ctas: int = 8,
-                           outputs: Optional[list] = None, out_slot: int = -1, **kw) -> list:
+                           outputs: Optional[list] = None, out_slot: int = -1, meta=None, phases: int = 7,
+                           num_warps: Optional[int] = None, **spec_kw) -> list:
     """The push kernel on every emulated rank: ``[(normed, residual_out)]`` per rank.
 
     ``residuals[r]`` is rank r's residual input ([T, H], or its [S, H] shard with
     ``residual_in_sharded=True``).  ``outputs`` (from an earlier call) are written in place
     (CUDA-graph replays); ``out_slot >= 0`` leaves each rank's normed output in that slot of its
-    output ring (the outputs' normed is the ring view); ``kw`` goes to :func:`weave_compile.kernels.launch.launch_push`
-    (``eps``, ``mid_dtype``, ``weight_offset``, ``residual_in_sharded``, ``meta``, ``phases``)."""
+    output ring (the outputs' normed is the ring view); ``meta``, ``phases`` and ``num_warps``
+    go to :func:`weave_compile.kernels.p2p.launch.launch_push`, ``spec_kw`` (``eps``,
+    ``mid_dtype``, ``weight_offset``, ``residual_in_sharded``) to the
+    :class:`~weave_compile.kernels.spec.FusedSpec`."""
     T, H = xs[0].shape
     N = ranks.world_size
     S = math.ceil(T / N)
@@ -171,19 +175,16 @@ def push_allreduce_rmsnorm(ranks: EmulatedRanks, xs: Sequence[torch.Tensor],
                     torch.empty((T, H), dtype=ws0.out_dtype, device=ranks.device),
                     torch.empty((S if residual_out_sharded else T, H), dtype=ws0.res_dtype,
                                 device=ranks.device)) for ws in ranks.workspaces]
-    kw = dict(dict(mid_dtype=None, residual_in_sharded=False, eps=1e-6, weight_offset=0.0,
-                   num_warps=None), **kw)
-    meta = kw.pop("meta", None) or launch.push_meta(H, S, comm_ctas, N, xs[0].dtype.itemsize,
-                                                    ws0.res_dtype.itemsize, kw["num_warps"])
+    spec = FusedSpec(residual_dtype=ws0.res_dtype, out_dtype=ws0.out_dtype, group_name="emulated",
+                     residual_out_sharded=residual_out_sharded, comm_ctas=comm_ctas, out_slot=out_slot,
+                     **spec_kw)
+    meta = meta or launch.push_meta(H, S, comm_ctas, N, xs[0].dtype.itemsize, ws0.res_dtype.itemsize, num_warps)
     ranks.check_coresident(meta.grid)
-    all_phases = kw.pop("phases", 7)
 
-    def one(r, ws, phases=all_phases, sync=True, compile_only=False):
+    def one(r, ws, phases=phases, sync=True, compile_only=False):
         normed, res_out = outputs[r]
-        launch.launch_push(ws, xs[r], residuals[r], bias, weight, normed, res_out, num_tokens=T,
-                           residual_out_sharded=residual_out_sharded, comm_ctas=comm_ctas,
-                           meta=meta, phases=phases, sync=sync, compile_only=compile_only,
-                           out_slot=out_slot, **kw)
+        launch.launch_push(ws, Rows(xs[r], residuals[r], bias, weight), spec, normed, res_out, meta=meta,
+                           phases=phases, sync=sync, compile_only=compile_only)
         return outputs[r]
 
     if interpreting() or ranks.device.type != "cuda":

@@ -1,39 +1,44 @@
 """Measurement and verification hooks of the symmetric-memory kernels (not the product path).
 
-* :func:`compile_variant_ptx`: compile a kernel for ``cuda:sm_<arch>`` without a GPU (the
-  ``multimem`` kernel is verified this way only: it is never launched in this project);
-* :func:`p2p_pull`: the load-based kernel without multicast (peer loads instead of
+* :func:`compile_variant_ptx`: compile a kernel for ``cuda:sm_<arch>`` without a GPU (the pull
+  kernel with ``multimem`` instructions is verified this way only: it is never launched in this
+  project);
+* :func:`p2p_pull`: the pull kernel without multicast (peer loads instead of
   ``multimem.ld_reduce``), kept to compare against the push kernel in tests and benchmarks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import torch
 
-from weave_compile.kernels import common, launch, workspace
-from weave_compile.kernels.pull import pull_allreduce_rmsnorm_kernel
-from weave_compile.kernels.push import push_allreduce_rmsnorm_kernel
-from weave_compile.kernels.select import check_hidden
+from weave_compile.kernels.multimem.launch import pull_constexprs, pull_on
+from weave_compile.kernels.multimem.pull import pull_allreduce_rmsnorm_kernel
+from weave_compile.kernels.p2p import launch as p2p_launch
+from weave_compile.kernels.p2p.push import push_allreduce_rmsnorm_kernel
+from weave_compile.kernels.shared import common, workspace
+from weave_compile.kernels.shared.probe import check_hidden
+from weave_compile.kernels.shared.shapes import launch_meta
+from weave_compile.kernels.shared.symm_call import run_on_workspace
+from weave_compile.kernels.spec import FusedSpec, Rows
 
-#: What :func:`compile_variant_ptx` compiles.
-PTX_KERNELS = ("p2p", "multimem", "p2p_pull")
+#: What :func:`compile_variant_ptx` compiles: the push kernel, the pull kernel with peer loads and
+#: stores, the pull kernel with ``multimem`` instructions.
+PTX_KERNELS = ("push", "pull", "pull_multimem")
 
 
-def p2p_pull(x: torch.Tensor, residual=None, bias=None, weight=None, **kw):
-    """:func:`weave_compile.kernels.fused_allreduce_rmsnorm_symm` with the ``p2p_pull`` kernel
-    (same keywords, ``kernel`` excepted)."""
+def p2p_pull(x: torch.Tensor, residual=None, bias=None, weight=None, *, channel: int = 0,
+             num_warps: Optional[int] = None, **spec_kw):
+    """The pull kernel with plain peer loads and stores (no multicast) on the group's cached
+    workspace; the keywords of :func:`weave_compile.kernels.p2p.launch.allreduce_rmsnorm`."""
     if not common.HAS_TRITON:
         raise RuntimeError("triton is not available")
-    kw.setdefault("eps", 1e-6)
-    for k, v in (("residual_dtype", None), ("out_dtype", None), ("mid_dtype", None),
-                 ("weight_offset", 0.0), ("residual_in_sharded", False),
-                 ("residual_out_sharded", False), ("comm_ctas", common.DEFAULT_COMM_CTAS),
-                 ("channel", 0), ("num_warps", None)):
-        kw.setdefault(k, v)
-    return launch._fused(x, residual, bias, weight, kernel="p2p_pull", **kw)
+    spec = FusedSpec.for_rows(x, residual, **spec_kw)
+    return run_on_workspace(Rows(x, residual, bias, weight), spec, functools.partial(pull_on, use_multimem=False),
+                            channel=channel, num_warps=num_warps)
 
 
 def compile_variant_ptx(kernel: str, dtype: torch.dtype, hidden: int,
@@ -52,7 +57,7 @@ def compile_variant_ptx(kernel: str, dtype: torch.dtype, hidden: int,
     Uses Triton's ``ASTSource`` + ``triton.compile(target=GPUTarget("cuda", arch, 32))``;
     Triton's bundled ptxas also assembles the cubin, so a successful return means the inline
     PTX (multimem) is accepted by ptxas for that architecture.  The launch shape is the one
-    the launcher would pick for ``rows_per_rank`` and ``comm_ctas``; ``out_in_region`` (p2p) is
+    the launcher would pick for ``rows_per_rank`` and ``comm_ctas``; ``out_in_region`` (push) is
     the mode that leaves the normed output in the ring.  With ``return_all`` the
     whole ``asm`` dict (ttir, ttgir, llir, ptx, cubin) is returned."""
     if not common.HAS_TRITON:
@@ -82,9 +87,9 @@ def compile_variant_ptx(kernel: str, dtype: torch.dtype, hidden: int,
     }
     aligned = ["PTR_TABLE", "RESIDUAL", "BIAS", "WEIGHT", "RESIDUAL_OUT", "STATUS",
                "stride_res_row", "stride_res_out_row"]
-    if kernel == "p2p":
+    if kernel == "push":
         fn = push_allreduce_rmsnorm_kernel
-        meta = launch.push_meta(hidden, rows_per_rank, comm_ctas, world_size, dtype.itemsize,
+        meta = p2p_launch.push_meta(hidden, rows_per_rank, comm_ctas, world_size, dtype.itemsize,
                                 residual_dtype.itemsize, num_warps)
         if block_rows is not None:
             meta = dataclasses.replace(meta, block_rows=int(block_rows))
@@ -92,7 +97,7 @@ def compile_variant_ptx(kernel: str, dtype: torch.dtype, hidden: int,
         # workspace it would allocate for them, up to the last ring slot where asked
         capacity = workspace._round_capacity(world_size * rows_per_rank, world_size)
         extent = capacity * hidden * (common.OUT_RING_SLOTS if out_in_region else 1)
-        consts = dict(launch.push_constexprs(meta, **flags), PHASES=7, SYNC=True,
+        consts = dict(p2p_launch.push_constexprs(meta, **flags), PHASES=7, SYNC=True,
                       OUT_IN_REGION=bool(out_in_region), IDX64=common.needs_int64(extent))
         # out_ring_row is not declared 16-divisible: the stores must vectorize regardless
         runtime_sig.update(X=sig(dtype), NORMED=sig(out_dtype), slot_rows="i32",
@@ -100,8 +105,8 @@ def compile_variant_ptx(kernel: str, dtype: torch.dtype, hidden: int,
         aligned += ["X", "NORMED", "stride_x_row", "stride_out_row"]
     else:
         fn = pull_allreduce_rmsnorm_kernel
-        meta = launch.launch_meta(hidden, rows_per_rank, comm_ctas, num_warps)
-        consts = launch.pull_constexprs(kernel == "multimem", block_h=meta.block_h,
+        meta = launch_meta(hidden, rows_per_rank, comm_ctas, num_warps)
+        consts = pull_constexprs(kernel == "pull_multimem", block_h=meta.block_h,
                                         block_rows=int(block_rows or meta.block_rows), **flags)
     signature = {name: (runtime_sig[name] if name in runtime_sig else "constexpr")
                  for name in fn.arg_names}

@@ -1,10 +1,11 @@
-"""Masked attention (Hugging Face's form) splits; a mask that is not causal fails loudly."""
+"""Attention under the split: masked attention (Hugging Face's form) splits and a mask that is not
+causal fails loudly; the suffix's op reads the halves' keys with their kv heads, unconcatenated."""
 
 import torch
 
 from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
 
-from .helpers import THRESHOLD
+from .helpers import THRESHOLD, graph_after_passes
 
 
 def _hf(rank, world_size, seed):
@@ -37,3 +38,55 @@ def test_hf_llama_masked_attention_splits_and_a_non_causal_mask_fails_loudly(see
         assert max(errs) < 1e-5, errs
         assert text.startswith("split a symbolic token count") and "barrier" not in text, text
         assert "attention mask is not causal" in raised, raised[-2000:]
+
+
+# ----------------------------------------------------------------------------- the suffix's keys
+
+
+def _traced(fn, *shape):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn, tracing_mode="fake")(torch.randn(*shape)).graph
+
+
+def test_unexpanded_sees_through_a_per_query_head_repeat():
+    from weave_compile.passes.split_tokens.attention import unexpanded
+
+    def repeats(x):
+        b, h, t, d = x.shape
+        interleave = x.repeat_interleave(3, dim=1)  # view(clone(expand(unsqueeze(x, 2))))
+        kv_style = x[:, :, None].expand(b, h, 3, t, d).reshape(b, h * 3, t, d)  # HF's repeat_kv: _unsafe_view
+        tiled = x.unsqueeze(1).expand(b, 3, h, t, d).reshape(b, 3 * h, t, d)  # head order differs: not GQA's
+        return interleave, kv_style, tiled, x.view(b, h, t * d // 4, 4)
+
+    graph = _traced(repeats, 1, 2, 5, 4)
+    x = next(n for n in graph.nodes if n.op == "placeholder")
+    interleave, kv_style, tiled, plain = graph.output_node().args[0]
+    assert unexpanded(interleave) == (x, 3)
+    assert unexpanded(kv_style) == (x, 3)
+    assert unexpanded(tiled) == (tiled, 1)
+    assert unexpanded(plain) == (plain, 1)
+
+
+def _suffix_inputs(rank, world_size, seed):
+    from weave_compile.ops import SUFFIX_ATTENTION
+    from weave_compile.passes.graph_utils import val
+
+    graph = graph_after_passes(rank, world_size, seed, layers=2)
+    calls = [n for n in graph.nodes if n.target is SUFFIX_ATTENTION]
+    heads = [[tuple(val(a).shape) for a in n.args[:5]] for n in calls]
+    repeats = [n.meta.get("weave_half") for n in graph.nodes if n.target is torch.ops.aten.clone.default]
+    cats = sum(n.target is torch.ops.aten.cat.default for n in graph.nodes)
+    return heads, repeats, cats
+
+
+def test_suffix_attention_reads_the_kv_heads_and_nothing_is_concatenated(seed):
+    """TPLlama repeats K/V per query head (2 query heads, 1 kv head per rank): the suffix's op gets
+    the kv heads (B's repeats are never computed), A's repeat feeds A's attention alone."""
+    for heads, repeats, cats in assert_ranks_ok(run_ranks(_suffix_inputs, 2, args=(seed,), timeout=300)):
+        assert len(heads) == 2, heads  # one per layer
+        for q, kp, vp, k, v in heads:
+            assert q[1] == 2 and kp[1] == vp[1] == k[1] == v[1] == 1, heads
+            assert kp[2] + k[2] == 40 and q[2] == k[2], heads
+        assert repeats == [0] * 4, repeats  # k and v of layer 0 and 1, prefix half only
+        assert cats == 1, cats  # the output's join

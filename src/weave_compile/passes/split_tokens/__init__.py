@@ -10,8 +10,8 @@ TokenWeave's coarse token split, as a post-grad FX pass that runs after ``fuse``
    ``cos``/``sin``, are sliced), views/permutes/expands (the token dimension is tracked through
    them), reductions over other dimensions, embedding/index lookups, unfused collectives. Causal
    self-attention, the one op that mixes tokens, becomes plain causal attention over A's own
-   keys for A, and ``weave::causal_suffix_attention`` (lower-right causal over ``[K_A; K_B]``)
-   for B. Any other op that reads a split value is a *barrier*: it gets the halves concatenated
+   keys for A, and ``weave::causal_suffix_attention`` (B's queries over A's keys and, causally,
+   its own) for B. Any other op that reads a split value is a *barrier*: it gets the halves concatenated
    back and runs whole (recorded in explain()), so the result is never wrong, only less overlapped.
 2. **When** (here). Only where batch x tokens >= ``split_threshold``. For a symbolic token count
    the pass adds a guard on that comparison (one graph below, one above; no recompile per length).
@@ -65,8 +65,6 @@ class SplitTokensPass(WeavePass):
         return summary
 
     def _why_not(self, fused: list[fx.Node]) -> Optional[str]:
-        if not self.config.split:
-            return "split disabled by option"
         if not fused:
             return "no fused AllReduce-RMSNorm site"
         x = val(named_args(fused[0])["x"])

@@ -1,10 +1,11 @@
 """The token split of causal self-attention, the one op that mixes tokens.
 
 Prefix A attends over its own keys (the same attention op on A's q/k/v); suffix B needs A's
-keys too: ``weave::causal_suffix_attention`` of B's queries over ``[K_A; K_B]`` (the causal mask
-aligned to the lower right). A batch split needs no rewrite: each half runs the same op on whole
-sequences. An explicit ``[.., S, S]`` mask (how Hugging Face models reach the graph) is checked,
-on the device and without a host sync, to be exactly causal (:func:`assert_causal`).
+keys too: ``weave::causal_suffix_attention`` of B's queries over A's keys (all visible) and B's
+own (causal), which takes the halves' keys and values as they are, with their kv heads. A batch
+split needs no rewrite: each half runs the same op on whole sequences. An explicit ``[.., S, S]``
+mask (how Hugging Face models reach the graph) is checked, on the device and without a host sync,
+to be exactly causal (:func:`assert_causal`).
 """
 
 from __future__ import annotations
@@ -103,8 +104,38 @@ def assert_causal(rw: Rewriter, mask: fx.Node, tm: torch.Tensor) -> None:
                                        "sliding window?); compile with options={'split': False}"))
 
 
+def unexpanded(node: fx.Node) -> tuple[fx.Node, int]:
+    """``(x, rep)`` where ``node`` is ``x`` ([B, Hkv, T, D]) repeated per query head, as
+    ``repeat_interleave(rep, dim=1)`` and Hugging Face's ``repeat_kv`` reach the post-grad graph::
+
+        view(clone(expand(unsqueeze(x, 2), [B, Hkv, rep, T, D])), [B, Hkv * rep, T, D])
+
+    ``(node, 1)`` for any other form."""
+    if not is_call(node, aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+        return node, 1
+    clone = node.args[0]
+    expand = clone.args[0] if is_call(clone, aten.clone.default) else None
+    unsq = expand.args[0] if is_call(expand, aten.expand.default) else None
+    if not is_call(unsq, aten.unsqueeze.default) or unsq.args[1] not in (2, -3):
+        return node, 1
+    x = unsq.args[0]
+    tx, te, tn = val(x), val(expand), val(node)
+    if tx is None or te is None or tn is None or tx.dim() != 4 or te.dim() != 5 or tn.dim() != 4:
+        return node, 1
+    b, hkv, t, d = tx.shape
+    rep = te.shape[2]
+    if not isinstance(rep, int) or not all(same(a, e) for a, e in zip((b, hkv, rep, t, d), te.shape)) \
+            or not all(same(a, e) for a, e in zip((b, hkv * rep, t, d), tn.shape)):
+        return node, 1
+    return x, rep
+
+
 def _causal_halves(rw: Rewriter, n: fx.Node, sq: Split, sk: Split, sv: Split, overrides: dict) -> SplitTuple:
-    """A: the same attention op on its own q/k/v; B: ``causal_suffix_attention`` over [K_A; K_B]."""
+    """A: the same attention op on its own q/k/v; B: ``causal_suffix_attention`` of B's queries over
+    A's and B's keys, passed as they are: no ``[K_A; K_B]`` concatenation in the graph, and keys and
+    values the model repeated per query head are passed with their kv heads (:func:`unexpanded`;
+    the op attends grouped-query), so B's repeated copies are never written and A's repeated copy
+    has one reader (a second reader made Inductor write it twice, once per reader's layout)."""
     schema = n.target._schema
     bound = named_args(n)
     bound.update({k: v for k, v in overrides.items() if k in bound})
@@ -113,7 +144,9 @@ def _causal_halves(rw: Rewriter, n: fx.Node, sq: Split, sk: Split, sv: Split, ov
     kwargs = {a.name: bound[a.name] for a in schema.arguments if a.kwarg_only}
     a_call = rw.mk(n.target, args, kwargs, half=0)
     a_out = rw.mk(operator.getitem, (a_call, 0), half=0)
-    k_all = rw.mk(aten.cat.default, (list(sk.halves), 2), half=1)
-    v_all = rw.mk(aten.cat.default, (list(sv.halves), 2), half=1)
-    b_out = rw.mk(SUFFIX_ATTENTION, (sq.halves[1], k_all, v_all, bound.get("scale")), half=1)
+    kv = [unexpanded(x) for x in (*sk.halves, *sv.halves)]
+    if len({rep for _, rep in kv}) > 1:  # repeated unlike each other: pass them as they are
+        kv = [(x, 1) for x in (*sk.halves, *sv.halves)]
+    (k_a, _), (k_b, _), (v_a, _), (v_b, _) = kv
+    b_out = rw.mk(SUFFIX_ATTENTION, (sq.halves[1], k_a, v_a, k_b, v_b, bound.get("scale")), half=1)
     return SplitTuple({0: Split(2, (a_out, b_out))})

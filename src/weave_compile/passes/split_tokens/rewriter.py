@@ -30,6 +30,11 @@ log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 
+#: What a per-half node inherits from the op it replaces: the source it came from (profiles and
+#: Inductor's kernel names point at the model's code); ``original_aten`` (Inductor's kernel names,
+#: e.g. ``triton_poi_fused__unsafe_view_mul_silu``) only where the half runs the same op.
+_SOURCE_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
+
 
 class Rewriter:
     """One application of the split to one graph (see the package docstring)."""
@@ -48,6 +53,7 @@ class Rewriter:
         self.starts: list[fx.Node] = []  # the start ops, A and B of each site
         self.last_wait_b: Optional[fx.Node] = None
         self.checked_masks: set[fx.Node] = set()
+        self.origin: Optional[fx.Node] = None  # the op whose halves are being built
 
     # ------------------------------------------------------------------------- node helpers
 
@@ -55,6 +61,11 @@ class Rewriter:
         node = call_with_meta(self.graph, self.fake_mode, target, args, kwargs)
         if half is not None:
             node.meta[HALF_KEY] = half
+        origin = self.origin
+        if origin is not None:
+            node.meta.update({k: origin.meta[k] for k in _SOURCE_META if k in origin.meta})
+            if target == origin.target and "original_aten" in origin.meta:
+                node.meta["original_aten"] = origin.meta["original_aten"]
         return node
 
     def full(self, node: fx.Node) -> fx.Node:
@@ -86,6 +97,7 @@ class Rewriter:
             touched = any(a in self.env for a in n.all_input_nodes)
             if not touched and not is_call(n, FUSED_OP):
                 continue
+            self.origin = n
             try:
                 with self.graph.inserting_before(n):
                     result = rules.apply(self, n)
@@ -96,6 +108,7 @@ class Rewriter:
                 continue
             if result is not None:
                 self.env[n] = result
+        self.origin = None
         out = self.graph.output_node()
         if any(a in self.env for a in out.all_input_nodes):
             with self.graph.inserting_before(out):

@@ -1,0 +1,57 @@
+"""``nccl``: NCCL reduce-scatter, the shared few-CTA add+norm kernel, NCCL all-gather.
+
+The baseline the overlap designs are measured against: the collectives are NCCL's (on its own
+stream, ordered after the current one, with NCCL's own few SMs) and the local work is the shared
+add+norm kernel of :mod:`weave_compile.kernels.shared.addnorm` instead of the reference's chain
+of torch ops. Same contract as every implementation, ``scale`` included. Under the split
+schedule the start op runs it on the comm stream, as it runs every implementation.
+
+Functional collectives carry it, so it also runs on gloo (CPU tests; the add+norm then uses its
+torch path) and is capturable in a CUDA graph where NCCL is.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from weave_compile.rows import all_gather_rows, group_size_rank, pad_rows, reduce_scatter_rows, rows_of_rank
+
+from .registry import Implementation, Site
+from .shared import addnorm
+from .spec import FusedSpec, Rows
+
+
+def fused_allreduce_rmsnorm_nccl(rows: Rows, spec: FusedSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(normed [T, H], residual_out [T, H] or this rank's [S, H] shard)``; collective."""
+    world_size, rank = group_size_rank(spec.group_name)
+    x, residual = rows.x, rows.residual
+    T, H = x.shape
+    S = math.ceil(T / world_size)
+    n_mine = rows_of_rank(T, S, rank)
+    acc_in = reduce_scatter_rows(pad_rows(x, S * world_size), spec.group_name, world_size)  # [S, H], x dtype
+    if residual is not None and not spec.residual_in_sharded:
+        residual = residual[rank * S:rank * S + n_mine]
+    normed_shard = torch.empty((S, H), dtype=spec.out_dtype, device=x.device)
+    res_shard = torch.empty((S, H), dtype=spec.residual_dtype, device=x.device)
+    if S > n_mine:  # padding rows are gathered (then cut): keep them finite
+        normed_shard[n_mine:].zero_()
+    addnorm.add_rmsnorm_rows(acc_in, None, residual, rows.bias, rows.weight,
+                             None if rows.scale is None else rows.scale.reshape(1), normed_shard, res_shard,
+                             n_valid=n_mine, eps=spec.eps, mid_dtype=spec.mid_dtype,
+                             weight_offset=spec.weight_offset, num_ctas=spec.comm_ctas)
+    normed = all_gather_rows(normed_shard, spec.group_name, world_size)[:T]
+    if spec.residual_out_sharded:
+        return normed, res_shard
+    return normed, all_gather_rows(res_shard, spec.group_name, world_size)[:T]
+
+
+def _check(site: Site) -> Optional[str]:
+    return addnorm.unavailable_reason(site.device, (site.dtype, site.residual_dtype, site.out_dtype), site.hidden)
+
+
+IMPLEMENTATION = Implementation(
+    "nccl", "NCCL reduce-scatter, the few-CTA add+norm kernel, NCCL all-gather (the overlap baseline)",
+    _check, fused_allreduce_rmsnorm_nccl, takes_scale=True)

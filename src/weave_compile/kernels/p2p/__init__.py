@@ -1,0 +1,37 @@
+"""``p2p``: the push kernel over peer-mapped symmetric memory, for any NVLink / P2P machine.
+
+:mod:`.push` holds the kernel (scatter, add + RMSNorm on this rank's rows, gather; every
+cross-rank access a store), :mod:`.launch` its launch shapes and launcher. This module is its
+registry entry.
+"""
+
+from __future__ import annotations
+
+from ..registry import Implementation
+from ..shared import probe
+from ..shared.workspace import SymmCapacityError
+
+
+def _check(site) -> str | None:
+    p = probe.probe_site(site)
+    return None if p.mapped else p.reason
+
+
+def _reserve(site) -> None:
+    from ..shared.symm_call import reserve_for_site
+
+    reserve_for_site(site, ring=site.out_in_place)
+
+
+def _run(rows, spec):
+    if not rows.x.is_cuda:
+        return None
+    from ..shared.symm_call import run_on_workspace
+    from .launch import push_on
+
+    return run_on_workspace(rows, spec, push_on, ring=spec.out_slot >= 0)
+
+
+IMPLEMENTATION = Implementation(
+    "p2p", "push kernel: peer stores into symmetric memory, three block barriers, any NVLink/P2P machine",
+    _check, _run, reserve=_reserve, capacity_error=SymmCapacityError, takes_out_slot=True, auto_rank=2)

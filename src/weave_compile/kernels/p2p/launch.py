@@ -1,0 +1,250 @@
+"""The push kernel's launch shapes and launcher, and a direct call for tests and benchmarks.
+
+:func:`push_on` is one rank's launch on a workspace (the real one, or an emulated one from
+``weave_compile.testing.emulated_ranks``): ``x`` is read where it is and the outputs are written
+where they will live, fresh tensors, or with ``spec.out_slot >= 0`` a view of that slot of the
+workspace's output ring. :func:`allreduce_rmsnorm` is the whole call on the group's cached
+workspace, the arguments given as keywords.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from typing import Optional
+
+import torch
+
+from ..shared.common import extent, interpreting, needs_int64, next_pow2, prefetch_fits, prev_pow2, spin_limit
+from ..shared.shapes import (ROWWISE_CHUNK, ROWWISE_WARPS, LaunchMeta, norm_constexprs, rowwise_fits,
+                             warps_and_rows)
+from ..shared.symm_call import contiguous_inputs, run_on_workspace
+from ..shared.workspace import SymmWorkspace, ring_output
+from ..spec import FusedSpec, Rows
+from .push import push_allreduce_rmsnorm_kernel
+
+#: Shared memory the pipelined add+norm loop may use for staged loads (H100/H200 allow 227 KB
+#: per CTA; leave room for the reduction scratch and the compiler's slack).
+_SMEM_BUDGET = 160 * 1024
+_MAX_NORM_STAGES = 3
+_COPY_IN_FLIGHT = 64 * 1024  # bytes each CTA of a copy phase loads before it stores
+#: Chunks the one-warp-per-row add+norm loads ahead: 7 (one H200, H=4096, 8 CTAs: 4 / 6 / 8
+#: ahead moved 78.3 / 81.6 / 85.7 GB/s per CTA; 8 spills one register with a full residual
+#: pushed to the peers, a bias and the ring, 7 fits every flag combination).
+ROWWISE_DEPTH = 7
+
+
+def _prefetch_shape(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
+                    in_bytes: int, res_bytes: int) -> Optional[tuple]:
+    """``(block_rows, num_warps)`` of the register-prefetched add+norm loop, or None where no
+    shape keeps two tiles of its inputs in registers.
+
+    Each thread holds ``E`` elements of every input (x, the padded peer tile, the residual) of
+    the current tile and of the next one.  Measured on one H200 with 2 bf16 ranks, emulated:
+    E = 16 (16 warps; 2 rows at H=4096, 1 at 8192) is the fastest whole op at 8 and 32 CTAs
+    (E = 32 with 8 warps won a standalone add+norm probe but lost in the kernel), and shapes
+    beyond the register file spill (10-20x slower).  So: the largest E <= 16 whose registers fit
+    (:func:`weave_compile.kernels.shared.common.prefetch_fits`), then the biggest tile, then the
+    fewest warps.  With the output left in the ring the same cap: 16 warps beat E = 32 there too
+    (whole op 405 vs 427 us at H=4096, 780 vs 818 at 8192, 8 CTAs; 154 vs 159 and 297 vs 307 at
+    32).  Only 2-rank bf16 shapes are measured; for the others the model only keeps the shape
+    inside the register file.  (At 2 ranks and 2048 <= H <= 4096 the one-warp-per-row loop runs
+    instead, :func:`weave_compile.kernels.shared.shapes.rowwise_fits`.)
+    """
+    cap = 16
+    block_h = next_pow2(hidden)
+    inputs = 1 + next_pow2(max(1, world_size - 1)) + 1
+    best = None
+    for rows in (1, 2, 4, 8):
+        if rows * block_h > 8192 or rows > max(1, prev_pow2(math.ceil(rows_per_rank / max(1, comm_ctas)))):
+            continue
+        for warps in (1, 2, 4, 8, 16, 32):
+            e = rows * block_h // (32 * warps)
+            if 1 <= e <= cap and prefetch_fits(inputs, e, max(in_bytes, res_bytes), warps):
+                key = (e, rows, -warps)  # most per thread, then the biggest tile, then fewest warps
+                if best is None or key > best[0]:
+                    best = (key, rows, warps)
+    return None if best is None else best[1:]
+
+
+@functools.lru_cache(maxsize=4096)
+def push_meta(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
+              in_bytes: int, res_bytes: int, num_warps: Optional[int] = None) -> LaunchMeta:
+    """The push kernel's tile shape, grid, unrolling and add+norm loop.
+
+    Copy phases: as many tiles per iteration as make ~64 KB in flight per CTA, held in
+    registers (no shared-memory staging: a 2-row x 4-stage ``tl.range`` copy measured slower
+    than 4 unpipelined rows on one H200).  Add+norm, where :func:`rowwise_fits` (2 ranks, 16-bit
+    inputs, 2048 <= H <= 4096) and every CTA gets at least 8 shard rows: one warp per row, no CTA
+    barrier (:func:`weave_compile.kernels.shared.rownorm.rowwise_group`; 8 warps, groups of 8
+    rows made of ``norm_unroll`` copy tiles, so each CTA keeps the rows the barriers pair; one
+    H200, H=4096, 8 CTAs: 85.7 GB/s per CTA against 77.7 for the register-prefetched tile, the
+    whole op 477 vs 502 us).  Elsewhere the next tile's inputs are loaded into registers while
+    this one is reduced and stored (``norm_prefetch``, shape from :func:`_prefetch_shape`: 16
+    warps, 1-row tiles at H=8192 for 2 bf16 ranks; the whole op 31% faster than the pipelined
+    loop at 8 CTAs, one H200); where no such shape fits the registers (many ranks with wide
+    dtypes), or ``num_warps`` is forced, the :func:`pipelined_meta` shape.  Never more tiles per
+    iteration than the shard gives a CTA.  The shape does not depend on where the normed output
+    goes (copied out or left in the ring): every rank compiles the same graph, and one shape won
+    both (one H200)."""
+    if (num_warps is None and rowwise_fits(hidden, world_size - 1, in_bytes, res_bytes)
+            and math.ceil(rows_per_rank / max(1, comm_ctas)) >= ROWWISE_WARPS):
+        # (a CTA with fewer rows than warps would leave warps idle, each busy one walking its
+        # whole row: decode-sized shards keep the prefetched tile)
+        block_h, block_rows, warps, grid = warps_and_rows(hidden, rows_per_rank, comm_ctas,
+                                                          max(1, min(8, 8192 // next_pow2(hidden))),
+                                                          ROWWISE_WARPS)
+        return LaunchMeta(block_h, block_rows, warps, grid, norm_unroll=ROWWISE_WARPS // block_rows,
+                          norm_chunk=ROWWISE_CHUNK, norm_depth=ROWWISE_DEPTH,
+                          copy_unroll=_copy_unroll(block_h, block_rows, grid, rows_per_rank, in_bytes,
+                                                   res_bytes))
+    shape = None if num_warps is not None else _prefetch_shape(
+        hidden, rows_per_rank, comm_ctas, world_size, in_bytes, res_bytes)
+    if shape is None:
+        return pipelined_meta(hidden, rows_per_rank, comm_ctas, world_size, in_bytes, res_bytes, num_warps)
+    block_rows, warps = shape
+    block_h, block_rows, warps, grid = warps_and_rows(hidden, rows_per_rank, comm_ctas, block_rows, warps)
+    return LaunchMeta(block_h, block_rows, warps, grid, norm_prefetch=True,
+                      copy_unroll=_copy_unroll(block_h, block_rows, grid, rows_per_rank, in_bytes, res_bytes))
+
+
+def _copy_unroll(block_h: int, block_rows: int, grid: int, rows_per_rank: int, in_bytes: int,
+                 res_bytes: int) -> int:
+    """Tiles per copy iteration: ~64 KB in flight per CTA, never more than the shard gives it."""
+    tiles_per_cta = max(1, math.ceil(rows_per_rank / (grid * block_rows)))
+    return max(1, min(8, prev_pow2(_COPY_IN_FLIGHT // (block_rows * block_h * max(in_bytes, res_bytes))),
+                      prev_pow2(tiles_per_cta)))
+
+
+@functools.lru_cache(maxsize=4096)
+def pipelined_meta(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
+                   in_bytes: int, res_bytes: int, num_warps: Optional[int] = None) -> LaunchMeta:
+    """The push kernel's shape where no register-prefetched tile fits (or the warps are forced):
+    16 warps, the add+norm loop a ``tl.range`` pipeline of as many stages (<= 3) as the
+    shared-memory budget allows for the loads one iteration stages (x, N-1 partials, the
+    residual)."""
+    block_h, block_rows, num_warps, grid = warps_and_rows(
+        hidden, rows_per_rank, comm_ctas, max(1, min(8, 8192 // next_pow2(hidden))), num_warps)
+    norm_stage_bytes = block_rows * block_h * (world_size * in_bytes + res_bytes)
+    norm_stages = max(1, min(_MAX_NORM_STAGES, _SMEM_BUDGET // norm_stage_bytes))
+    return LaunchMeta(block_h, block_rows, num_warps, grid, norm_stages=norm_stages,
+                      copy_unroll=_copy_unroll(block_h, block_rows, grid, rows_per_rank, in_bytes, res_bytes))
+
+
+def push_constexprs(meta: LaunchMeta, **kw) -> dict:
+    return dict(norm_constexprs(block_h=meta.block_h, block_rows=meta.block_rows, **kw),
+                COPY_UNROLL=meta.copy_unroll, COPY_STAGES=meta.copy_stages,
+                NORM_UNROLL=meta.norm_unroll, NORM_STAGES=meta.norm_stages,
+                NORM_PREFETCH=bool(meta.norm_prefetch),
+                NORM_CHUNK=int(meta.norm_chunk), NORM_DEPTH=int(meta.norm_depth),
+                PEERS_P2=next_pow2(max(1, int(kw["world_size"]) - 1)))
+
+
+def launch_push(ws: SymmWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Tensor,
+                residual_out: torch.Tensor, *, num_warps: Optional[int] = None,
+                meta: Optional[LaunchMeta] = None, phases: int = 7, sync: bool = True,
+                compile_only: bool = False) -> LaunchMeta:
+    """Launch the push kernel: x, residual and the outputs are ordinary tensors.
+
+    With ``spec.out_slot >= 0``, ``normed`` must be :func:`.workspace.ring_output` of that slot:
+    the kernel leaves the normed rows there (peers push into the same slot) and copies none.
+
+    ``meta`` overrides the launch shape; ``phases`` and ``sync`` are the kernel's measurement /
+    simulation hooks (see :mod:`.push`); ``compile_only`` compiles without launching (emulated
+    ranks compile every rank's launch before enqueueing any, so no rank spins while the host
+    compiles a peer's)."""
+    x = rows.x
+    num_tokens = x.shape[0]
+    out_slot = spec.out_slot
+    N, H = ws.world_size, ws.hidden
+    S = math.ceil(num_tokens / N)
+    dummy = ws.ptr_table
+    residual, bias, weight = contiguous_inputs(rows)
+    if out_slot >= 0:
+        ring = ring_output(ws, out_slot, num_tokens)
+        if normed.data_ptr() != ring.data_ptr() or normed.stride(0) != H:
+            raise ValueError(f"out_slot={out_slot}: normed must be the workspace's ring slot view")
+    if meta is None:
+        meta = push_meta(H, S, spec.comm_ctas, N, x.dtype.itemsize, residual_out.dtype.itemsize, num_warps)
+    consts = push_constexprs(
+        meta, world_size=N, hidden=H, in_dtype=x.dtype, out_dtype=normed.dtype,
+        res_dtype=residual_out.dtype, mid_dtype=spec.mid_dtype, has_bias=bias is not None,
+        has_residual=residual is not None, has_weight=weight is not None,
+        residual_in_sharded=spec.residual_in_sharded, residual_out_sharded=spec.residual_out_sharded,
+        spin=spin_limit(), interp=interpreting())
+    args = (ws.ptr_table, x, residual if residual is not None else dummy,
+            bias if bias is not None else dummy, weight if weight is not None else dummy,
+            normed, residual_out, ws.status,
+            num_tokens, S, ws.capacity // N, ws.rank, ws.pad_offset,
+            x.stride(0), residual.stride(0) if residual is not None else 0,
+            normed.stride(0), residual_out.stride(0), float(spec.eps), float(spec.weight_offset),
+            max(out_slot, 0) * ws.capacity)
+    # Every region offset is below capacity x H rows' worth, the ring's below the end of the slot
+    # this launch writes (slot 0 is the output region itself).
+    region_rows = ws.capacity * (max(out_slot, 0) + 1)
+    idx64 = needs_int64(region_rows * H, *(extent(t) for t in (x, residual, normed, residual_out)
+                                           if t is not None))
+    kwargs = dict(OUT_IN_REGION=out_slot >= 0, PHASES=int(phases), SYNC=bool(sync), IDX64=idx64,
+                  num_warps=meta.num_warps, num_stages=1, **consts)
+    if compile_only:  # compile (or find) the binary this launch would run, launch nothing
+        push_allreduce_rmsnorm_kernel.warmup(*args, grid=(meta.grid,), **kwargs)
+    else:
+        push_allreduce_rmsnorm_kernel[(meta.grid,)](*args, **kwargs)
+    return meta
+
+
+def push_on(ws: SymmWorkspace, rows: Rows, spec: FusedSpec, **launch_kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's push launch on workspace ``ws`` (``rows.x`` [T, H], T >= 1, checked):
+    ``(normed, residual_out)``; ``launch_kw`` goes to :func:`launch_push`."""
+    x = rows.x
+    T, H = x.shape
+    dev = x.device
+    # Peers push into our input region, so x must not live there.
+    inp_lo = ws.inp.data_ptr()
+    if inp_lo <= x.data_ptr() < inp_lo + ws.inp.numel() * ws.inp.element_size():
+        x = x.clone()
+    x = x if x.is_contiguous() else x.contiguous()
+    if x is not rows.x:
+        rows = Rows(x, rows.residual, rows.bias, rows.weight, rows.scale, rows.eps_tensor, rows.shape)
+    out_slot = spec.out_slot
+    if out_slot >= 0 and _overlaps_ring_slot(ws, out_slot, x, rows.residual, rows.bias, rows.weight):
+        # The pass proves no input is the slot's previous output. Falling back on this rank
+        # alone would break the protocol (peers push to the ring slot by global row), so fail.
+        raise RuntimeError(f"weave: an input of the fused op lives in output ring slot {out_slot}, "
+                           "which this call overwrites (a bug of the output_in_place pass; "
+                           "run without output_in_place and report it)")
+    normed = ring_output(ws, out_slot, T) if out_slot >= 0 else torch.empty(
+        (T, H), dtype=ws.out_dtype, device=dev)
+    residual_out = torch.empty((math.ceil(T / ws.world_size) if spec.residual_out_sharded else T, H),
+                               dtype=ws.res_dtype, device=dev)
+    with torch.cuda.device(dev) if x.is_cuda else contextlib.nullcontext():
+        launch_push(ws, rows, spec, normed, residual_out, **launch_kw)
+    return normed, residual_out
+
+
+def _overlaps_ring_slot(ws: SymmWorkspace, slot: int, *tensors) -> bool:
+    """True if any of ``tensors`` has memory in ring slot ``slot`` of ``ws``'s output region."""
+    ring = ws.out_ring[slot]
+    lo, hi = ring.data_ptr(), ring.data_ptr() + ring.numel() * ring.element_size()
+    for t in tensors:
+        if t is None or t.numel() == 0:
+            continue
+        t_lo = t.data_ptr()
+        t_hi = t_lo + extent(t) * t.element_size()
+        if t_lo < hi and lo < t_hi:
+            return True
+    return False
+
+
+def allreduce_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+                      weight: Optional[torch.Tensor] = None, *, channel: int = 0, num_warps: Optional[int] = None,
+                      **spec_kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-reduce ``x`` [T, H] over ``spec_kw["group_name"]``, add bias/residual, RMSNorm, with the
+    push kernel: ``(normed [T, H], residual_out [T, H] or this rank's [S, H] shard)``.
+
+    ``spec_kw`` are :class:`~weave_compile.kernels.spec.FusedSpec`'s fields (dtypes default to the
+    inputs'). Collective; see :func:`weave_compile.kernels.shared.symm_call.run_on_workspace`."""
+    spec = FusedSpec.for_rows(x, residual, **spec_kw)
+    rows = Rows(x, residual, bias, weight)
+    return run_on_workspace(rows, spec, push_on, ring=spec.out_slot >= 0, channel=channel, num_warps=num_warps)

@@ -1,0 +1,343 @@
+"""The push kernel (``p2p``): every cross-rank access is a store, with deep memory-level parallelism.
+
+With ``N`` ranks and ``T`` rows padded to ``S * N`` (``S = ceil(T / N)``), rank ``r`` owns rows
+``[r*S, (r+1)*S) ∩ [0, T)``.  The symmetric regions are used as ``[N, slot_rows, H]``: slot
+``q`` of a rank's region holds what rank ``q`` pushed there.  Three phases, one block barrier
+(:mod:`weave_compile.kernels.shared.sync`) before each (not one per row):
+
+1. *scatter*: our partial sums of owner ``p``'s rows -> slot ``[r]`` of ``p``'s input region;
+2. *reduce + norm*: our rows = our own partial + the N-1 partials peers pushed into our input
+   slots; the shared add + RMSNorm body (:mod:`weave_compile.kernels.shared.rownorm`); the results go to our outputs and
+   are pushed into slot ``[r]`` of every peer's output (and residual) region;
+3. *gather*: copy the rows peers pushed into our output slots to the outputs.
+
+With ``OUT_IN_REGION`` the normed output is itself a view of this rank's output region (slot
+``out_ring_row // capacity`` of the ring, :data:`weave_compile.kernels.shared.common.OUT_RING_SLOTS`):
+phase 2 pushes every row to the same global row of each peer's region, so the peers' rows are in
+place when the last barrier passes and phase 3 copies nothing for it (the second copy of the
+peers' rows is gone).  Who may read such an output, and until when, is proved at compile time
+(:mod:`weave_compile.passes.output_in_place`).
+
+``x`` is read where it is and the outputs are written where they will live: no staging copy,
+no copy-out of our own rows.  CTA ``b`` handles the same shard-local rows ``j`` in every phase
+and for every owner, so the CTA-pairwise barriers order exactly the rows each pair exchanges.
+The barrier before phase 1 also says every peer finished its previous launch on this channel
+(its phase 2 read our earlier pushes, its phase 3 our earlier output pushes).
+
+Bytes in flight, not the hardware, set the bandwidth one SM reaches (one H200: one
+8 KB row in flight per CTA moves 34-39 GB/s, four rows 86-91 GB/s; docs/performance.md).  So every phase keeps
+several tiles of ``BLOCK_ROWS`` rows in flight per CTA: the copy phases load ``COPY_UNROLL``
+tiles (one grid-stride iteration unrolled: the same rows per CTA) before storing them, and the
+add+norm loop (``NORM_PREFETCH``) loads the next tile's inputs into registers before this
+tile's math and stores, so few CTAs carry the traffic.  Where that does not fit
+the registers the add+norm loop is a ``tl.range`` software pipeline of ``NORM_STAGES`` stages
+instead (Triton stages its loads in shared memory: the whole op 31% slower than the prefetched
+loop at 8 CTAs, one H200).
+With ``NORM_CHUNK`` > 0 (the default where :func:`weave_compile.kernels.shared.shapes.rowwise_fits`:
+2 ranks, 16-bit inputs, 2048 <= H, H x residual bytes <= 8 KB, and a shard of at least 8 rows per
+CTA) the add+norm runs one warp per row instead
+(:func:`weave_compile.kernels.shared.rownorm.rowwise_group`): groups of ``BLOCK_ROWS x NORM_UNROLL``
+rows (the CTA's own rows, as in the copy phases) walk their columns in chunks loaded
+``NORM_DEPTH`` chunks ahead, the rounded residual kept in registers, and a row's sum of squares
+never leaves its warp, so no CTA barrier holds the warps in step (85.7 against 77.7 GB/s per CTA
+at H=4096, 8 CTAs, one H200).  :func:`weave_compile.kernels.p2p.launch.push_meta` picks
+the shape.  The prefetched (and one-warp-per-row) loops and the pipelined one sum the peers'
+partials in different orders (``x + sum(peers)`` vs one at a time): bit-identical with bf16
+inputs at 2-4 ranks (checked in the CPU interpreter), an fp32 ulp apart in places with fp32
+inputs and 3+ ranks; the one-warp-per-row loop adds up a row's squares in its own order, so its
+normed rows can be an ulp from the others' (the residual cannot).
+
+``PHASES`` (bitmask 1|2|4) and ``SYNC`` are measurement and simulation hooks: the per-CTA
+benchmark leaves phases out (barriers kept, so the pads still pair up), and the one-process CPU
+simulation runs one phase of every rank at a time without barriers (the host orders them).
+"""
+
+from __future__ import annotations
+
+from ..shared.common import HAS_TRITON, tl, triton
+
+if HAS_TRITON:
+    from ..shared.rownorm import (add_norm, load_residual, norm_params, norm_tile, rowwise_first_loads,
+                          rowwise_group, shard_rows, store_residual_shard)
+    from ..shared.sync import block_barrier
+
+    @triton.jit
+    def _region(PTR_TABLE, KIND: tl.constexpr, owner, DTYPE: tl.constexpr,
+                WORLD_SIZE: tl.constexpr):
+        """Base of ``owner``'s region ``KIND`` (0 in, 1 out, 2 res), 16-byte aligned (say so,
+        or every access is scalar)."""
+        ptr = tl.load(PTR_TABLE + KIND * WORLD_SIZE + owner).to(tl.pointer_type(DTYPE))
+        return tl.multiple_of(ptr, 16)
+
+    @triton.jit
+    def _peer_regions(PTR_TABLE, KIND: tl.constexpr, rank, DTYPE: tl.constexpr,
+                      WORLD_SIZE: tl.constexpr, PEERS_P2: tl.constexpr):
+        """Bases of region ``KIND`` of the N-1 peers (peer ``t`` is rank ``r + 1 + t``) as one
+        [PEERS_P2] pointer tensor, padding masked.  Loaded once before a loop: a table load
+        inside it is not hoisted (the loop's stores may alias the table, as far as the
+        compiler knows), and every store to a peer would wait on it."""
+        t = tl.arange(0, PEERS_P2)
+        if PEERS_P2 == WORLD_SIZE - 1:  # no padding: a constant mask the compiler drops
+            ok = tl.full(t.shape, 1, tl.int1)
+        else:
+            ok = t < WORLD_SIZE - 1
+        p = (rank + 1 + t) % WORLD_SIZE
+        ptr = tl.load(PTR_TABLE + KIND * WORLD_SIZE + p, mask=ok, other=0).to(tl.pointer_type(DTYPE))
+        return tl.multiple_of(ptr, 16), ok
+
+    @triton.jit
+    def _copy_phase(SRC, stride_src, src_owner_rows: tl.constexpr, DST, stride_dst,
+                    dst_owner_rows: tl.constexpr, src_base_row, dst_base_row, owner, pid, step,
+                    rows_per_rank, num_tokens, cols, col_ok, BLOCK_ROWS: tl.constexpr,
+                    UNROLL: tl.constexpr, STAGES: tl.constexpr, IDX64: tl.constexpr):
+        """Copy ``owner``'s shard rows of this CTA: row ``j`` of ``SRC`` -> row ``j`` of ``DST``.
+
+        A side indexed by global rows (``*_owner_rows`` true) is addressed at ``owner * S +
+        j``; a slot side at ``*_base_row + j``.  ``UNROLL`` tiles per iteration are loaded
+        before any is stored."""
+        for j0 in tl.range(pid * BLOCK_ROWS, rows_per_rank, step * UNROLL, num_stages=STAGES):
+            j, rows, ok = shard_rows(j0, BLOCK_ROWS, owner, rows_per_rank, num_tokens, UNROLL, step,
+                                     IDX64)
+            m = ok[:, None] & col_ok[None, :]
+            if src_owner_rows:
+                s_row = rows
+            else:
+                s_row = src_base_row + j
+            if dst_owner_rows:
+                d_row = rows
+            else:
+                d_row = dst_base_row + j
+            v = tl.load(SRC + s_row[:, None] * stride_src + cols[None, :], mask=m)
+            tl.store(DST + d_row[:, None] * stride_dst + cols[None, :], v, mask=m)
+
+    @triton.jit
+    def _norm_loads(X, stride_x_row, in_base, RESIDUAL, stride_res_row, j0, rank, slot_rows,
+                    rows_per_rank, num_tokens, step, cols, col_ok, HIDDEN: tl.constexpr,
+                    BLOCK_ROWS: tl.constexpr, UNROLL: tl.constexpr, WORLD_SIZE: tl.constexpr,
+                    PEERS_P2: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                    RESIDUAL_IN_SHARDED: tl.constexpr, IDX64: tl.constexpr):
+        """The add+norm inputs of the tile at ``j0``, as loaded (not yet converted): our partial
+        sums [R, BLOCK_H], the N-1 partials peers pushed into our input slots as one
+        [PEERS_P2, R, BLOCK_H] tile (peer ``t`` is rank ``r + 1 + t``; padding masked), and the
+        residual (a placeholder without one).  Rows past the shard are masked (no traffic)."""
+        j, rows, ok = shard_rows(j0, BLOCK_ROWS, rank, rows_per_rank, num_tokens, UNROLL, step,
+                                 IDX64)
+        m = ok[:, None] & col_ok[None, :]
+        x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=m, other=0.0)
+        t = tl.arange(0, PEERS_P2)
+        p = (rank + 1 + t) % WORLD_SIZE
+        at = (p[:, None, None] * slot_rows + j[None, :, None]) * HIDDEN + cols[None, None, :]
+        parts = tl.load(in_base + at, mask=(t < WORLD_SIZE - 1)[:, None, None] & m[None, :, :],
+                        other=0.0)
+        if HAS_RESIDUAL:
+            resid = load_residual(RESIDUAL, j, rows, m, cols, stride_res_row, RESIDUAL_IN_SHARDED)
+        else:
+            resid = tl.zeros((1,), dtype=tl.float32)
+        return x, parts, resid
+
+    @triton.jit
+    def _rowwise_inputs(X, stride_x_row, in_base, RESIDUAL, stride_res_row, j0, rank, slot_rows,
+                        rows_per_rank, num_tokens, step, HIDDEN: tl.constexpr,
+                        BLOCK_ROWS: tl.constexpr, UNROLL: tl.constexpr, WORLD_SIZE: tl.constexpr,
+                        PEERS_P2: tl.constexpr, RESIDUAL_IN_SHARDED: tl.constexpr,
+                        IDX64: tl.constexpr):
+        """Row pointers and masks of the add+norm inputs of the group at ``j0`` for
+        :func:`weave_compile.kernels.shared.rownorm.rowwise_group`: x [R, 1], the N-1 partials peers
+        pushed into our input slots [PEERS_P2, R, 1] (peer ``t`` is rank ``r + 1 + t``), the
+        residual [R, 1]."""
+        j, rows, ok = shard_rows(j0, BLOCK_ROWS, rank, rows_per_rank, num_tokens, UNROLL, step,
+                                 IDX64)
+        t = tl.arange(0, PEERS_P2)
+        p = (rank + 1 + t) % WORLD_SIZE
+        PR = in_base + ((p[:, None] * slot_rows + j[None, :]) * HIDDEN)[:, :, None]
+        pm = ((t < WORLD_SIZE - 1)[:, None] & ok[None, :])[:, :, None]
+        if RESIDUAL_IN_SHARDED:
+            RR = RESIDUAL + (j * stride_res_row)[:, None]
+        else:
+            RR = RESIDUAL + (rows * stride_res_row)[:, None]
+        return X + (rows * stride_x_row)[:, None], PR, RR, ok[:, None], pm
+
+    @triton.jit
+    def _norm_store(out_peers, res_peers, peer_ok, NORMED, RESIDUAL_OUT, res, normed, j, rows, m,
+                    col_ok, cols, rank, slot_rows, rows_per_rank, stride_out_row, stride_res_out_row,
+                    out_ring_row, HIDDEN: tl.constexpr, RESIDUAL_OUT_SHARDED: tl.constexpr,
+                    OUT_IN_REGION: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """Phase 2's stores of one tile: our residual and normed rows, and their pushes into slot
+        ``[rank]`` of every peer's residual / output region (the global row of the ring slot
+        with ``OUT_IN_REGION``), one [PEERS_P2, R, BLOCK_H] store per region kind
+        (``out_peers``/``res_peers``/``peer_ok``: :func:`_peer_regions`, loaded before the loop)."""
+        slot = (rank * slot_rows + j)[:, None] * HIDDEN + cols[None, :]
+        to_peers = peer_ok[:, None, None] & m[None, :, :]
+        if RESIDUAL_OUT_SHARDED:
+            # Rows past T inside the shard are zero already without a bias (every input of
+            # theirs was loaded as 0); only a bias makes them non-zero.
+            store_residual_shard(RESIDUAL_OUT, j, res, m, col_ok, cols, rows_per_rank,
+                                 stride_res_out_row, HAS_BIAS)
+        else:
+            tl.store(RESIDUAL_OUT + rows[:, None] * stride_res_out_row + cols[None, :], res, mask=m)
+            tl.store(res_peers[:, None, None] + slot[None, :, :], res[None, :, :], mask=to_peers)
+        tl.store(NORMED + rows[:, None] * stride_out_row + cols[None, :], normed, mask=m)
+        if OUT_IN_REGION:  # the global row of the peers' ring slot: their output itself
+            out_at = (out_ring_row + rows)[:, None] * HIDDEN + cols[None, :]
+        else:
+            out_at = slot
+        tl.store(out_peers[:, None, None] + out_at[None, :, :], normed[None, :, :], mask=to_peers)
+
+    @triton.jit(do_not_specialize=["num_tokens", "rows_per_rank", "slot_rows", "rank", "pad_offset"])
+    def push_allreduce_rmsnorm_kernel(
+        PTR_TABLE,  # *i64: in[N], out[N], res[N], pad[N] addresses (regions used as [N, slot_rows, H])
+        X,  # this rank's partial sums [T, H], any (non-symmetric) memory
+        RESIDUAL,  # [T, H] or this rank's shard [S, H]
+        BIAS, WEIGHT,  # [H]
+        NORMED,  # [T, H] output: regular memory, or our output region's ring slot (OUT_IN_REGION)
+        RESIDUAL_OUT,  # [T, H] or this rank's shard [S, H], regular memory
+        STATUS,  # *i32 [1]: barrier timeouts
+        num_tokens, rows_per_rank, slot_rows, rank, pad_offset,  # T, S, capacity / N, r, slot
+        stride_x_row, stride_res_row, stride_out_row, stride_res_out_row, eps, weight_offset,
+        out_ring_row,  # OUT_IN_REGION: first row of the ring slot NORMED is, in every out region
+        WORLD_SIZE: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_ROWS: tl.constexpr, COPY_UNROLL: tl.constexpr, COPY_STAGES: tl.constexpr,
+        NORM_UNROLL: tl.constexpr, NORM_STAGES: tl.constexpr, NORM_PREFETCH: tl.constexpr,
+        PEERS_P2: tl.constexpr, IN_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, RES_DTYPE: tl.constexpr,
+        MID_DTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+        HAS_WEIGHT: tl.constexpr, HAS_MID: tl.constexpr, RESIDUAL_IN_SHARDED: tl.constexpr,
+        RESIDUAL_OUT_SHARDED: tl.constexpr, SPIN_LIMIT: tl.constexpr, FENCE_ASM: tl.constexpr,
+        OUT_IN_REGION: tl.constexpr = False, PHASES: tl.constexpr = 7, SYNC: tl.constexpr = True,
+        IDX64: tl.constexpr = True, NORM_CHUNK: tl.constexpr = 0,
+        NORM_DEPTH: tl.constexpr = 1,
+    ):
+        pid = tl.program_id(0)
+        step = tl.num_programs(0) * BLOCK_ROWS
+        cols = tl.arange(0, BLOCK_H)
+        col_ok = cols < HIDDEN
+        in_base = _region(PTR_TABLE, 0, rank, IN_DTYPE, WORLD_SIZE)
+        # Peers are visited as rank + 1, rank + 2, ... (mod N): no branch on the run-time
+        # rank around an access, so the pipeliner can stage every load of a loop.
+
+        # Entry: every peer finished its previous launch on this channel.
+        if SYNC:
+            block_barrier(PTR_TABLE, STATUS, rank, pad_offset, WORLD_SIZE, SPIN_LIMIT, FENCE_ASM)
+        # 1. scatter: our partial of owner p's rows -> slot [rank] of p's input region.
+        if PHASES & 1:
+            for q in tl.static_range(1, WORLD_SIZE):
+                p = (rank + q) % WORLD_SIZE
+                _copy_phase(X, stride_x_row, True, _region(PTR_TABLE, 0, p, IN_DTYPE, WORLD_SIZE),
+                            HIDDEN, False, 0, rank * slot_rows, p, pid, step, rows_per_rank,
+                            num_tokens, cols, col_ok, BLOCK_ROWS, COPY_UNROLL, COPY_STAGES, IDX64)
+        if SYNC:
+            block_barrier(PTR_TABLE, STATUS, rank, pad_offset, WORLD_SIZE, SPIN_LIMIT, FENCE_ASM)
+
+        # 2. reduce our rows locally, add, norm; keep our rows, push them to every peer.
+        if PHASES & 2:
+            bias, w = norm_params(BIAS, WEIGHT, cols, col_ok, weight_offset, HAS_BIAS, HAS_WEIGHT)
+            out_peers, peer_ok = _peer_regions(PTR_TABLE, 1, rank, OUT_DTYPE, WORLD_SIZE, PEERS_P2)
+            res_peers, _ = _peer_regions(PTR_TABLE, 2, rank, RES_DTYPE, WORLD_SIZE, PEERS_P2)
+            if NORM_CHUNK > 0:
+                # One warp per row (rownorm.rowwise_group): groups of BLOCK_ROWS x NORM_UNROLL
+                # rows, the same rows of this CTA as the copy phases' tiles.
+                c = tl.arange(0, NORM_CHUNK)
+                gstep = step * NORM_UNROLL
+                j1 = pid * BLOCK_ROWS
+                XR, PR, RR, m, pm = _rowwise_inputs(
+                    X, stride_x_row, in_base, RESIDUAL, stride_res_row, j1, rank, slot_rows,
+                    rows_per_rank, num_tokens, step, HIDDEN, BLOCK_ROWS, NORM_UNROLL, WORLD_SIZE,
+                    PEERS_P2, RESIDUAL_IN_SHARDED, IDX64)
+                pre = rowwise_first_loads(XR, PR, RR, m, pm, c, HIDDEN, NORM_CHUNK, NORM_DEPTH,
+                                          HAS_RESIDUAL)
+                for j0 in tl.range(j1, rows_per_rank, gstep, num_stages=1):
+                    XR, PR, RR, m, pm = _rowwise_inputs(
+                        X, stride_x_row, in_base, RESIDUAL, stride_res_row, j0, rank, slot_rows,
+                        rows_per_rank, num_tokens, step, HIDDEN, BLOCK_ROWS, NORM_UNROLL,
+                        WORLD_SIZE, PEERS_P2, RESIDUAL_IN_SHARDED, IDX64)
+                    NXR, NPR, NRR, nm, npm = _rowwise_inputs(
+                        X, stride_x_row, in_base, RESIDUAL, stride_res_row, j0 + gstep, rank,
+                        slot_rows, rows_per_rank, num_tokens, step, HIDDEN, BLOCK_ROWS, NORM_UNROLL,
+                        WORLD_SIZE, PEERS_P2, RESIDUAL_IN_SHARDED, IDX64)
+                    j, rows, ok = shard_rows(j0, BLOCK_ROWS, rank, rows_per_rank, num_tokens,
+                                             NORM_UNROLL, step, IDX64)
+                    slot = ((rank * slot_rows + j) * HIDDEN)[None, :, None]
+                    to_peers = (peer_ok[:, None] & ok[None, :])[:, :, None]
+                    if RESIDUAL_OUT_SHARDED:
+                        RO = RESIDUAL_OUT + (j * stride_res_out_row)[:, None]
+                        ro_m = (j < rows_per_rank)[:, None]
+                    else:
+                        RO = RESIDUAL_OUT + (rows * stride_res_out_row)[:, None]
+                        ro_m = m
+                    if OUT_IN_REGION:  # the global row of the peers' ring slot: their output itself
+                        out_at = ((out_ring_row + rows) * HIDDEN)[None, :, None]
+                    else:
+                        out_at = slot
+                    pre = rowwise_group(
+                        pre, XR, PR, RR, m, pm, NXR, NPR, NRR, nm, npm, RO, ro_m,
+                        res_peers[:, None, None] + slot, to_peers,
+                        NORMED + (rows * stride_out_row)[:, None], out_peers[:, None, None] + out_at,
+                        to_peers, BIAS, WEIGHT, 1.0, eps, weight_offset, c,
+                        BLOCK_ROWS * NORM_UNROLL, HIDDEN, NORM_CHUNK, NORM_DEPTH, RES_DTYPE,
+                        OUT_DTYPE, MID_DTYPE, False, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, HAS_MID,
+                        RESIDUAL_OUT_SHARDED and HAS_BIAS, not RESIDUAL_OUT_SHARDED, True)
+            elif NORM_PREFETCH:
+                # Registers double-buffered: the next tile's loads are issued before this tile's
+                # math and stores, so they are in flight meanwhile (no shared-memory staging, no
+                # wait and CTA barrier per stage as in the tl.range pipeline below).
+                nx, nparts, nres = _norm_loads(
+                    X, stride_x_row, in_base, RESIDUAL, stride_res_row, pid * BLOCK_ROWS, rank,
+                    slot_rows, rows_per_rank, num_tokens, step, cols, col_ok, HIDDEN, BLOCK_ROWS,
+                    NORM_UNROLL, WORLD_SIZE, PEERS_P2, HAS_RESIDUAL, RESIDUAL_IN_SHARDED, IDX64)
+                for j0 in tl.range(pid * BLOCK_ROWS, rows_per_rank, step * NORM_UNROLL, num_stages=1):
+                    cx = nx
+                    cparts = nparts
+                    cres = nres
+                    nx, nparts, nres = _norm_loads(
+                        X, stride_x_row, in_base, RESIDUAL, stride_res_row, j0 + step * NORM_UNROLL,
+                        rank, slot_rows, rows_per_rank, num_tokens, step, cols, col_ok, HIDDEN,
+                        BLOCK_ROWS, NORM_UNROLL, WORLD_SIZE, PEERS_P2, HAS_RESIDUAL,
+                        RESIDUAL_IN_SHARDED, IDX64)
+                    j, rows, ok = shard_rows(j0, BLOCK_ROWS, rank, rows_per_rank, num_tokens,
+                                             NORM_UNROLL, step, IDX64)
+                    m = ok[:, None] & col_ok[None, :]
+                    acc = cx.to(tl.float32) + tl.sum(cparts.to(tl.float32), axis=0)
+                    res, normed = norm_tile(acc, cres, bias, w, eps, HIDDEN, RES_DTYPE, OUT_DTYPE,
+                                            MID_DTYPE, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, HAS_MID)
+                    _norm_store(out_peers, res_peers, peer_ok, NORMED, RESIDUAL_OUT, res, normed, j,
+                                rows, m, col_ok, cols, rank, slot_rows, rows_per_rank,
+                                stride_out_row, stride_res_out_row, out_ring_row, HIDDEN,
+                                RESIDUAL_OUT_SHARDED, OUT_IN_REGION, HAS_BIAS)
+            else:
+                for j0 in tl.range(pid * BLOCK_ROWS, rows_per_rank, step * NORM_UNROLL,
+                                   num_stages=NORM_STAGES):
+                    j, rows, ok = shard_rows(j0, BLOCK_ROWS, rank, rows_per_rank, num_tokens,
+                                             NORM_UNROLL, step, IDX64)
+                    m = ok[:, None] & col_ok[None, :]
+                    acc = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=m,
+                                  other=0.0).to(tl.float32)
+                    for q in tl.static_range(1, WORLD_SIZE):
+                        p = (rank + q) % WORLD_SIZE
+                        acc += tl.load(in_base + (p * slot_rows + j)[:, None] * HIDDEN + cols[None, :],
+                                       mask=m, other=0.0).to(tl.float32)
+                    res, normed = add_norm(acc, j, rows, m, cols, RESIDUAL, stride_res_row, bias, w,
+                                           eps, HIDDEN, RES_DTYPE, OUT_DTYPE, MID_DTYPE, HAS_BIAS,
+                                           HAS_RESIDUAL, HAS_WEIGHT, HAS_MID, RESIDUAL_IN_SHARDED)
+                    _norm_store(out_peers, res_peers, peer_ok, NORMED, RESIDUAL_OUT, res, normed, j,
+                                rows, m, col_ok, cols, rank, slot_rows, rows_per_rank,
+                                stride_out_row, stride_res_out_row, out_ring_row, HIDDEN,
+                                RESIDUAL_OUT_SHARDED, OUT_IN_REGION, HAS_BIAS)
+        if SYNC:
+            block_barrier(PTR_TABLE, STATUS, rank, pad_offset, WORLD_SIZE, SPIN_LIMIT, FENCE_ASM)
+
+        # 3. gather: the peers pushed their rows into our slots; copy them to the outputs
+        # (the normed rows are in place already with OUT_IN_REGION).
+        if PHASES & 4:
+            out_base = _region(PTR_TABLE, 1, rank, OUT_DTYPE, WORLD_SIZE)
+            res_base = _region(PTR_TABLE, 2, rank, RES_DTYPE, WORLD_SIZE)
+            for q in tl.static_range(1, WORLD_SIZE):
+                p = (rank + q) % WORLD_SIZE
+                if not OUT_IN_REGION:
+                    _copy_phase(out_base, HIDDEN, False, NORMED, stride_out_row, True,
+                                p * slot_rows, 0, p, pid, step, rows_per_rank, num_tokens, cols,
+                                col_ok, BLOCK_ROWS, COPY_UNROLL, COPY_STAGES, IDX64)
+                if not RESIDUAL_OUT_SHARDED:
+                    _copy_phase(res_base, HIDDEN, False, RESIDUAL_OUT, stride_res_out_row, True,
+                                p * slot_rows, 0, p, pid, step, rows_per_rank, num_tokens, cols,
+                                col_ok, BLOCK_ROWS, COPY_UNROLL, COPY_STAGES, IDX64)
+else:  # pragma: no cover
+    push_allreduce_rmsnorm_kernel = None

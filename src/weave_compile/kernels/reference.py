@@ -1,0 +1,106 @@
+"""The ``reference`` implementation of ``weave::allreduce_add_rmsnorm`` and its float64 oracle.
+
+:func:`reference_impl` is reduce-scatter over token rows -> add -> RMSNorm on this rank's rows ->
+all-gather, with functional collectives (gloo on CPU, NCCL on GPU). It runs wherever a process
+group does, takes every argument of the op (a scale, an eps tensor), and is what every other
+implementation falls back to.
+
+:func:`allreduce_add_rmsnorm_ref` is the one float64 oracle of the op's contract (see
+``ops/allreduce_rmsnorm.py``), computed in one process from every rank's partial
+sum. Every test of the op, of its implementations and of the passes compares against it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from weave_compile.rows import all_gather_rows, group_size_rank, norm_rows, pad_rows, reduce_scatter_rows, rows_per_rank
+
+from .registry import Implementation
+from .spec import FusedSpec, Rows
+
+
+def reference_impl(rows: Rows, spec: FusedSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reduce-scatter -> add -> RMSNorm on this rank's rows -> all-gather; outputs as rows."""
+    world_size, rank = group_size_rank(spec.group_name)
+    x = rows.x
+    total, hidden = x.shape
+    per_rank = rows_per_rank(total, world_size)
+    padded = per_rank * world_size
+
+    acc = reduce_scatter_rows(pad_rows(x, padded), spec.group_name, world_size).float()
+    if rows.scale is not None:
+        acc = acc * rows.scale.float()
+    if rows.bias is not None:
+        acc = acc + rows.bias.float()
+    if rows.residual is not None:
+        if spec.residual_in_sharded:
+            res_rows = rows.residual
+        else:
+            res_rows = pad_rows(rows.residual, padded)[rank * per_rank:(rank + 1) * per_rank]
+        acc = acc + res_rows.float()
+    res_shard = acc.to(spec.residual_dtype)
+    eps = spec.eps if rows.eps_tensor is None else rows.eps_tensor
+    normed_shard = norm_rows(res_shard, rows.weight, eps, spec.out_dtype, spec.mid_dtype, spec.weight_offset)
+
+    if spec.residual_out_sharded:
+        return all_gather_rows(normed_shard, spec.group_name, world_size)[:total], res_shard
+    if spec.out_dtype == spec.residual_dtype:
+        # One gather for both outputs: half the collective launches of two gathers.
+        both = all_gather_rows(torch.cat([normed_shard, res_shard], dim=-1), spec.group_name, world_size)[:total]
+        # Clones: the two outputs must not share storage (custom-op aliasing rule).
+        return both[:, :hidden].clone(), both[:, hidden:].clone()
+    return (all_gather_rows(normed_shard, spec.group_name, world_size)[:total],
+            all_gather_rows(res_shard, spec.group_name, world_size)[:total])
+
+
+IMPLEMENTATION = Implementation(
+    "reference", "reduce-scatter, add + RMSNorm on this rank's rows, all-gather (functional collectives)",
+    lambda site: None, reference_impl, takes_scale=True, takes_eps_tensor=True, fallback=True)
+
+
+# ----------------------------------------------------------------------------- float64 oracle
+
+
+def allreduce_add_rmsnorm_ref(
+    partials: list[torch.Tensor],
+    residual: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    weight: Optional[torch.Tensor] = None,
+    *,
+    eps: float = 1e-6,
+    weight_offset: float = 0.0,
+    scale: Optional[torch.Tensor] = None,
+    residual_dtype: Optional[torch.dtype] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    mid_dtype: Optional[torch.dtype] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's contract in float64, from every rank's partial sum (``partials``, each ``[..., H]``).
+
+    ``residual`` is the full (unsharded) residual. Returns ``(normed, residual_out)`` as every
+    rank sees them after the gather: ``normed`` in ``out_dtype`` (default: the partials' dtype),
+    ``residual_out`` in ``residual_dtype`` (default: the residual's dtype, else the partials').
+    Everything is computed in float64 and rounded only where the contract rounds.
+    """
+    if not partials:
+        raise ValueError("allreduce_add_rmsnorm_ref: partials must hold one tensor per rank")
+    in_dtype = partials[0].dtype
+    residual_dtype = residual_dtype or (residual.dtype if residual is not None else in_dtype)
+    out_dtype = out_dtype or in_dtype
+    acc = torch.stack([p.to(torch.float64) for p in partials]).sum(0)
+    if scale is not None:
+        acc = acc * scale.to(torch.float64)
+    if bias is not None:
+        acc = acc + bias.to(torch.float64)
+    if residual is not None:
+        acc = acc + residual.to(torch.float64)
+    res = acc.to(residual_dtype)
+    r = res.to(torch.float64)
+    y = r * torch.rsqrt((r * r).mean(dim=-1, keepdim=True) + eps)
+    if mid_dtype is not None:
+        y = y.to(mid_dtype).to(torch.float64)
+    if weight is not None:
+        y = y * (weight.to(torch.float64) + weight_offset)
+    return y.to(out_dtype), res

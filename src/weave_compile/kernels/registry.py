@@ -1,0 +1,158 @@
+"""The registry of implementations of ``weave::allreduce_add_rmsnorm``: one entry each.
+
+An :class:`Implementation` says everything the rest of the package needs to know about one
+implementation: its name, why it cannot run at a site (checked at compile time), the workspace it
+reserves at compile time, how it runs (``run(rows, spec)``, at run time), the error it raises when
+its buffers cannot grow now (inside CUDA-graph capture: the op falls back, logged), what it takes
+(a scale, an eps tensor, an output slot) and how ``auto`` treats it. Everything that lists or
+switches on implementations derives from here: the config's valid ``kernel`` names
+(:func:`names`), the op's dispatch (``ops/allreduce_rmsnorm.py``), the fuse pass's
+choice and reservation (:mod:`.auto`, :attr:`Implementation.reserve`) and what ``explain()``
+reports.
+
+Adding an implementation is one module that defines ``IMPLEMENTATION`` and one line in
+:func:`_load_builtins` (or a :func:`register` call from anywhere, e.g. a test or a plugin).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+
+from .spec import FusedSpec, Rows
+
+#: The ``kernel`` option that lets :mod:`.auto` choose; never an implementation's name.
+AUTO = "auto"
+
+Outputs = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """What the fuse pass knows of one site at compile time: the input of the capability checks,
+    of the reservations and of ``auto``."""
+
+    device: torch.device
+    dtype: torch.dtype  # x's (the partial sums)
+    residual_dtype: torch.dtype  # the residual output's
+    out_dtype: torch.dtype  # the normed output's
+    hidden: int
+    group_name: str
+    world_size: int
+    num_tokens: Optional[int] = None  # the token count when static, None when symbolic
+    size_hint: Optional[int] = None  # the token count, or Dynamo's hint of a symbolic one (None: no hint)
+    residual_in_dtype: Optional[torch.dtype] = None  # the residual input's (None: no residual)
+    split: bool = False  # the token split will run on this graph
+    has_scale: bool = False
+    eps_on_device: bool = False  # eps is a graph input living on the device
+    out_in_place: bool = False  # outputs may stay in the symmetric output ring (option)
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One implementation of the fused op (see the module doc)."""
+
+    name: str
+    #: One line: the design, for docs and error messages.
+    summary: str
+    #: Compile time: why it cannot run at ``site`` (None if it can). May be collective (a
+    #: symmetric-memory probe): every rank compiles the same graphs, so every rank calls it alike.
+    check: Callable[[Site], Optional[str]]
+    #: Run time: ``(normed [T, H], residual_out [T, H] or this rank's [S, H] shard)`` for ``rows``,
+    #: or None where it must fall back now (e.g. tensors on a device it does not run on).
+    run: Callable[[Rows, FusedSpec], Optional[Outputs]]
+    #: Compile time, collective: allocate the workspace the site will use, outside any CUDA graph.
+    reserve: Optional[Callable[[Site], None]] = None
+    #: Raised by ``run`` where its buffers are too small and cannot grow now (CUDA-graph capture):
+    #: the op then runs the fallback instead, with the reason logged once.
+    capacity_error: Optional[type[Exception]] = None
+    takes_scale: bool = False  # multiplies the reduced sum by a 0-d ``scale``
+    takes_eps_tensor: bool = False  # reads eps from a 0-d device tensor (the others read it on the host)
+    takes_out_slot: bool = False  # can leave ``normed`` in a slot of the symmetric output ring
+    #: The implementation every other falls back to (exactly one is registered).
+    fallback: bool = False
+    #: What explain() adds where it is chosen (e.g. what a probe found); None: nothing.
+    note: Optional[Callable[[Site], str]] = None
+    #: ``auto``'s preference where the measured table does not decide (lower first); None: auto
+    #: picks it only from measured rows.
+    auto_rank: Optional[int] = None
+    #: ``auto`` takes it ahead of the measured table wherever it can run (and its crossover and
+    #: readiness allow).
+    auto_preferred: bool = False
+    #: ``auto`` takes it only for a static token count whose message T x H x itemsize is at most this.
+    auto_max_bytes: Optional[int] = None
+    #: False: ``auto`` never takes it (not measured where it matters yet); forcing it still works.
+    auto_ready: bool = True
+
+
+_IMPLEMENTATIONS: dict[str, Implementation] = {}
+_loaded = False
+
+
+def _load_builtins() -> None:
+    """Register the package's implementations (once, on first use: their modules import triton)."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    from . import ce, multimem, nccl, oneshot, p2p, reference
+
+    # The order implementations are listed in (config errors, docs): the fallback first.
+    for module in (reference, p2p, multimem, oneshot, ce, nccl):
+        register(module.IMPLEMENTATION)
+
+
+def register(impl: Implementation) -> Implementation:
+    """Add ``impl``; its name must be new (and not ``auto``), and only one may be the fallback."""
+    _load_builtins()
+    if impl.name == AUTO or not impl.name:
+        raise ValueError(f"{impl.name!r} cannot name an implementation")
+    if impl.name in _IMPLEMENTATIONS:
+        raise ValueError(f"an implementation named {impl.name!r} is already registered")
+    if impl.fallback and any(e.fallback for e in _IMPLEMENTATIONS.values()):
+        raise ValueError(f"{impl.name!r}: a fallback implementation ({fallback().name}) is already registered")
+    _IMPLEMENTATIONS[impl.name] = impl
+    return impl
+
+
+def unregister(name: str) -> Implementation:
+    """Remove and return the implementation registered as ``name``."""
+    _load_builtins()
+    return _IMPLEMENTATIONS.pop(get(name).name)
+
+
+def replace(impl: Implementation) -> Implementation:
+    """Put ``impl`` in place of the registered implementation of its name; returns the old one."""
+    old = get(impl.name)
+    _IMPLEMENTATIONS[impl.name] = impl
+    return old
+
+
+def get(name: str) -> Implementation:
+    """The implementation registered as ``name``; ValueError naming the valid ones otherwise."""
+    _load_builtins()
+    try:
+        return _IMPLEMENTATIONS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown kernel {name!r}; valid: {list(names())}") from None
+
+
+def names() -> tuple[str, ...]:
+    """Every registered implementation's name, in listing order."""
+    _load_builtins()
+    return tuple(_IMPLEMENTATIONS)
+
+
+def implementations() -> tuple[Implementation, ...]:
+    _load_builtins()
+    return tuple(_IMPLEMENTATIONS.values())
+
+
+def fallback() -> Implementation:
+    """The implementation the others fall back to."""
+    for impl in implementations():
+        if impl.fallback:
+            return impl
+    raise RuntimeError("no fallback implementation is registered")

@@ -1,0 +1,395 @@
+"""Row add + RMSNorm on local memory with many bytes in flight: the SM phase of ``ce`` and ``nccl``.
+
+What: for ``n_valid`` rows, ``acc = x (+ sum of the reduce-scatter slots) (* scale) (+ bias)
+(+ residual)``, ``res = acc.to(res dtype)`` (stored), ``normed = RMSNorm(res)`` following the
+cast order of the fused op's contract (``ops/allreduce_rmsnorm.py``). Rows ``n_valid ..
+n_res_rows`` of the residual output are written as zeros (a sharded residual's padding rows).
+
+Why a kernel of its own: once copy engines (or NCCL) move the bytes between GPUs, the only SM work
+left is this local streaming pass, and it should need few CTAs so the other token half's GEMMs keep
+their SMs. Per-CTA bandwidth is set by bytes in flight (one 8 KB row in flight per CTA moves 34-39
+GB/s on one H200, four rows 86-91 GB/s; docs/performance.md): each CTA works on ``BLOCK_ROWS``
+rows at a time and the next rows' loads are issued before this row block's math: one warp per row
+with column chunks loaded ahead (``CHUNK`` > 0, the shared
+:func:`weave_compile.kernels.shared.rownorm.rowwise_group`), the next block prefetched into
+registers (``PREFETCH``), or a ``tl.range(num_stages=NUM_STAGES)`` software pipeline. The launch shape is
+:func:`launch_config`; ``benchmarks/bench_comm_ce.py`` measured it.
+
+Off GPU (CPU tensors without the Triton interpreter) :func:`add_rmsnorm_rows` runs the same math
+with torch ops, which is what the copy-engine CPU simulation uses.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .common import (HAS_TRITON, MAX_HIDDEN, SUPPORTED_DTYPES, interpreting, next_pow2, prefetch_fits, tl, tl_dtype,
+                     triton)
+from .shapes import ROWWISE_CHUNK, ROWWISE_WARPS, rowwise_fits
+
+log = logging.getLogger(__name__)
+
+#: Chunks loaded ahead in the one-warp-per-row loop: 8 (one H200, H=4096, 8 CTAs: 4 / 6 / 8 ahead
+#: moved 74.1 / 80.4 / 81.1 GB/s per CTA; no spills with a bias, a scale and a mid dtype).
+ROWWISE_DEPTH = 8
+
+if HAS_TRITON:
+    from .rownorm import (add_norm, norm_params, norm_tile, rowwise_first_loads, rowwise_group,
+                          store_residual_shard)
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_rows: int
+    num_stages: int
+    num_warps: int
+    # the next row block's loads go to registers before this block's math (num_stages unused)
+    prefetch: bool = False
+    # > 0: one warp per row (rownorm.rowwise_group; block_rows = num_warps rows per block) in
+    # chunks of this many columns, loaded `depth` chunks ahead (num_stages, prefetch unused)
+    chunk: int = 0
+    depth: int = 1
+
+
+def launch_config(hidden: int, block_rows: Optional[int] = None, num_stages: Optional[int] = None,
+                  num_warps: Optional[int] = None, prefetch: Optional[bool] = None, *, slots: int = 1,
+                  elem_bytes: int = 2, res_bytes: Optional[int] = None,
+                  rows_per_cta: Optional[int] = None) -> LaunchConfig:
+    """Rows per iteration, loop kind, pipeline depth and warps for ``hidden`` (``slots``
+    received partials, ``elem_bytes`` the widest input, ``res_bytes`` the residual output's
+    element size (default ``elem_bytes``), ``rows_per_cta`` the rows each CTA gets if known); any
+    shape argument given overrides.
+
+    Default where :func:`weave_compile.kernels.shared.shapes.rowwise_fits` (one received
+    partial, 16-bit inputs, 2048 <= H <= 4096, a 16-bit residual) and every CTA gets at least 8
+    rows: one warp per row (8 warps, 8-row blocks, 256-column chunks loaded 8 ahead;
+    :func:`weave_compile.kernels.shared.rownorm.rowwise_group`): on one H200 at 8 CTAs
+    (``bench_comm_ce.py``) 81.9 GB/s per CTA at H=4096 and 89.6 at 2048, against 73.7 and 54.5
+    for the register-prefetched tile.  Elsewhere the register-prefetched loop on an 8K-element
+    tile (2 rows at H=4096, 1 at 8192) with 16 warps, where two tiles of its inputs fit the
+    registers (:func:`weave_compile.kernels.shared.common.prefetch_fits`; 76.9 GB/s per CTA at
+    H=8192, 8 CTAs, one H200, against 61.1 for the best of 12 pipelined shapes); elsewhere the
+    pipelined loop on a 16K-element tile, 3 stages, 16 warps up to H=4096 and 8 above (that
+    sweep's best);
+    a pipelined shape that does not fit in shared memory is retried with fewer stages (launcher).
+    """
+    block_h = next_pow2(hidden)
+    if ((block_rows, num_stages, num_warps, prefetch) == (None,) * 4
+            and rowwise_fits(hidden, slots, elem_bytes, res_bytes or elem_bytes)
+            and (rows_per_cta is None or rows_per_cta >= ROWWISE_WARPS)):
+        return LaunchConfig(ROWWISE_WARPS, 1, ROWWISE_WARPS, False, ROWWISE_CHUNK, ROWWISE_DEPTH)
+    pf_rows = block_rows or max(1, min(8, 8192 // block_h))
+    pf_warps = num_warps or max(1, min(16, pf_rows * block_h // 128))  # >= 4 elements per thread
+    if prefetch is None:
+        e = pf_rows * block_h // (32 * pf_warps)
+        prefetch = e >= 1 and prefetch_fits(2 + next_pow2(max(1, slots)), e, elem_bytes, pf_warps)
+    if prefetch:
+        block_rows, num_warps = pf_rows, pf_warps
+        num_stages = num_stages or 1
+    if block_rows is None:
+        block_rows = max(1, min(8, 16384 // block_h))
+    if num_stages is None:
+        num_stages = 3
+    if num_warps is None:
+        num_warps = 16 if block_h <= 4096 else 8
+    return LaunchConfig(int(block_rows), int(num_stages), int(num_warps), bool(prefetch))
+
+
+def check_hidden(hidden: int) -> Optional[str]:
+    """Why ``hidden`` cannot run in the kernel, or None."""
+    if hidden < 1 or hidden > MAX_HIDDEN:
+        return f"hidden size {hidden} outside [1, {MAX_HIDDEN}] (a row lives in registers)"
+    return None
+
+
+def unavailable_reason(device: torch.device, dtypes, hidden: int) -> Optional[str]:
+    """Why the add+norm kernel cannot run for rows of ``hidden`` elements of ``dtypes`` on
+    ``device`` at compile time (None if it can): the designs built on it need CUDA and triton."""
+    if device.type != "cuda":
+        return f"{device.type} tensors: the add+norm kernel needs CUDA"
+    if not HAS_TRITON:
+        return "triton is not installed (the add+norm kernel is a Triton kernel)"
+    bad = [d for d in dtypes if d not in SUPPORTED_DTYPES]
+    if bad:
+        return f"dtypes {bad} not supported"
+    return check_hidden(hidden)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _row_block(X, RECV, RES_IN, NORMED, RES_OUT, blk, n_valid, n_res_rows, stride_x_row, stride_recv_slot,
+                   stride_res_in_row, stride_normed_row, stride_res_out_row, eps, w, b, s, cols, cmask,
+                   NUM_SLOTS: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                   RES_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, MID_DTYPE: tl.constexpr,
+                   HAS_MID: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+        rows = (blk * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+        m = (rows < n_valid)[:, None] & cmask[None, :]
+        acc = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        for k in tl.static_range(NUM_SLOTS):
+            acc += tl.load(RECV + k * stride_recv_slot + rows[:, None] * HIDDEN + cols[None, :], mask=m,
+                           other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            acc = acc * s
+        # The one add+norm body of every kernel (rownorm.py); our rows are shard-local (j == rows).
+        res, normed = add_norm(acc, rows, rows, m, cols, RES_IN, stride_res_in_row, b, w, eps, HIDDEN, RES_DTYPE,
+                               OUT_DTYPE, MID_DTYPE, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, HAS_MID, True)
+        # rows past n_valid loaded every input as 0: zero already unless a bias or scale moves them
+        store_residual_shard(RES_OUT, rows, res, m, cmask, cols, n_res_rows, stride_res_out_row,
+                             HAS_BIAS or HAS_SCALE)
+        tl.store(NORMED + rows[:, None] * stride_normed_row + cols[None, :], normed, mask=m)
+
+    @triton.jit
+    def _block_loads(X, RECV, RES_IN, blk, n_valid, stride_x_row, stride_recv_slot, stride_res_in_row,
+                     cols, cmask, NUM_SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr, HIDDEN: tl.constexpr,
+                     BLOCK_ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+        """Row block ``blk``'s inputs as loaded: x [R, BLOCK_H], the slots as one
+        [SLOTS_P2, R, BLOCK_H] tile (padding masked), the residual (a placeholder without one)."""
+        rows = (blk * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+        m = (rows < n_valid)[:, None] & cmask[None, :]
+        x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=m, other=0.0)
+        k = tl.arange(0, SLOTS_P2)
+        recv = tl.load(RECV + k[:, None, None] * stride_recv_slot + rows[None, :, None] * HIDDEN
+                       + cols[None, None, :], mask=(k < NUM_SLOTS)[:, None, None] & m[None, :, :], other=0.0)
+        if HAS_RESIDUAL:
+            res = tl.load(RES_IN + rows[:, None] * stride_res_in_row + cols[None, :], mask=m, other=0.0)
+        else:
+            res = tl.zeros((1,), dtype=tl.float32)
+        return x, recv, res
+
+    @triton.jit
+    def _rowwise_inputs(X, RECV, RES_IN, blk, n_valid, stride_x_row, stride_recv_slot, stride_res_in_row,
+                        NUM_SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr, HIDDEN: tl.constexpr,
+                        BLOCK_ROWS: tl.constexpr):
+        """Row pointers and masks of row block ``blk``'s inputs for
+        :func:`weave_compile.kernels.shared.rownorm.rowwise_group`: x [R, 1], the slots [SLOTS_P2, R, 1]
+        (padding masked), the residual [R, 1]."""
+        rows = (blk * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+        ok = rows < n_valid
+        k = tl.arange(0, SLOTS_P2)
+        PR = RECV + (k[:, None] * stride_recv_slot + rows[None, :] * HIDDEN)[:, :, None]
+        pm = ((k < NUM_SLOTS)[:, None] & ok[None, :])[:, :, None]
+        return (X + (rows * stride_x_row)[:, None], PR, RES_IN + (rows * stride_res_in_row)[:, None],
+                ok[:, None], pm)
+
+    @triton.jit
+    def _block_finish(x, recv, res_in, NORMED, RES_OUT, blk, n_valid, n_res_rows, stride_normed_row,
+                      stride_res_out_row, eps, w, b, s, cols, cmask, BLOCK_ROWS: tl.constexpr,
+                      HIDDEN: tl.constexpr, RES_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                      MID_DTYPE: tl.constexpr, HAS_MID: tl.constexpr, HAS_SCALE: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+        """The math and stores of a row block whose inputs :func:`_block_loads` loaded."""
+        rows = (blk * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+        m = (rows < n_valid)[:, None] & cmask[None, :]
+        acc = x.to(tl.float32) + tl.sum(recv.to(tl.float32), axis=0)
+        if HAS_SCALE:
+            acc = acc * s
+        res, normed = norm_tile(acc, res_in, b, w, eps, HIDDEN, RES_DTYPE, OUT_DTYPE, MID_DTYPE, HAS_BIAS,
+                                HAS_RESIDUAL, HAS_WEIGHT, HAS_MID)
+        # rows past n_valid loaded every input as 0: zero already unless a bias or scale moves them
+        store_residual_shard(RES_OUT, rows, res, m, cmask, cols, n_res_rows, stride_res_out_row,
+                             HAS_BIAS or HAS_SCALE)
+        tl.store(NORMED + rows[:, None] * stride_normed_row + cols[None, :], normed, mask=m)
+
+    @triton.jit
+    def _add_rmsnorm_rows_kernel(
+        X, RECV, RES_IN, BIAS, WEIGHT, SCALE, NORMED, RES_OUT,
+        n_valid, n_res_rows, stride_x_row, stride_recv_slot, stride_res_in_row, stride_normed_row,
+        stride_res_out_row, eps, weight_offset,
+        NUM_SLOTS: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+        NUM_STAGES: tl.constexpr, RES_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, MID_DTYPE: tl.constexpr,
+        HAS_MID: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+        HAS_WEIGHT: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr = False,
+        SLOTS_P2: tl.constexpr = 1, CHUNK: tl.constexpr = 0, DEPTH: tl.constexpr = 1,
+    ):
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        cols = tl.arange(0, BLOCK_H)
+        cmask = cols < HIDDEN
+        # Loop invariants, loaded once per CTA (the one-warp-per-row loop re-reads them per chunk).
+        if CHUNK == 0:
+            b, w = norm_params(BIAS, WEIGHT, cols, cmask, weight_offset, HAS_BIAS, HAS_WEIGHT)
+        s = 1.0
+        if HAS_SCALE:
+            s = tl.load(SCALE).to(tl.float32)
+        num_blocks = (n_res_rows + BLOCK_ROWS - 1) // BLOCK_ROWS
+        if CHUNK > 0:
+            # One warp per row (rownorm.rowwise_group): row blocks of BLOCK_ROWS rows in chunks
+            # of CHUNK columns, loaded DEPTH chunks ahead.
+            c = tl.arange(0, CHUNK)
+            XR, PR, RR, m, pm = _rowwise_inputs(X, RECV, RES_IN, pid, n_valid, stride_x_row,
+                                                stride_recv_slot, stride_res_in_row, NUM_SLOTS,
+                                                SLOTS_P2, HIDDEN, BLOCK_ROWS)
+            pre = rowwise_first_loads(XR, PR, RR, m, pm, c, HIDDEN, CHUNK, DEPTH, HAS_RESIDUAL)
+            blk = pid
+            while blk < num_blocks:  # a while loop: the interpreter runs it too
+                XR, PR, RR, m, pm = _rowwise_inputs(X, RECV, RES_IN, blk, n_valid, stride_x_row,
+                                                    stride_recv_slot, stride_res_in_row, NUM_SLOTS,
+                                                    SLOTS_P2, HIDDEN, BLOCK_ROWS)
+                NXR, NPR, NRR, nm, npm = _rowwise_inputs(X, RECV, RES_IN, blk + nprog, n_valid,
+                                                         stride_x_row, stride_recv_slot,
+                                                         stride_res_in_row, NUM_SLOTS, SLOTS_P2,
+                                                         HIDDEN, BLOCK_ROWS)
+                rows = (blk * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+                pre = rowwise_group(
+                    pre, XR, PR, RR, m, pm, NXR, NPR, NRR, nm, npm,
+                    RES_OUT + (rows * stride_res_out_row)[:, None], (rows < n_res_rows)[:, None],
+                    RES_OUT, m, NORMED + (rows * stride_normed_row)[:, None], NORMED, m, BIAS,
+                    WEIGHT, s, eps, weight_offset, c, BLOCK_ROWS, HIDDEN, CHUNK, DEPTH, RES_DTYPE,
+                    OUT_DTYPE, MID_DTYPE, HAS_SCALE, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, HAS_MID,
+                    HAS_BIAS or HAS_SCALE, False, False)
+                blk += nprog
+        elif PREFETCH:
+            # Registers double-buffered: block blk + nprog's loads are issued before block blk's
+            # math and stores (no shared-memory staging, no per-stage wait and barrier).
+            nx, nrecv, nres = _block_loads(X, RECV, RES_IN, pid, n_valid, stride_x_row, stride_recv_slot,
+                                           stride_res_in_row, cols, cmask, NUM_SLOTS, SLOTS_P2, HIDDEN,
+                                           BLOCK_ROWS, HAS_RESIDUAL)
+            blk = pid
+            while blk < num_blocks:  # a while loop: the interpreter runs it too
+                cx = nx
+                crecv = nrecv
+                cres = nres
+                nx, nrecv, nres = _block_loads(X, RECV, RES_IN, blk + nprog, n_valid, stride_x_row,
+                                               stride_recv_slot, stride_res_in_row, cols, cmask, NUM_SLOTS,
+                                               SLOTS_P2, HIDDEN, BLOCK_ROWS, HAS_RESIDUAL)
+                _block_finish(cx, crecv, cres, NORMED, RES_OUT, blk, n_valid, n_res_rows, stride_normed_row,
+                              stride_res_out_row, eps, w, b, s, cols, cmask, BLOCK_ROWS, HIDDEN, RES_DTYPE,
+                              OUT_DTYPE, MID_DTYPE, HAS_MID, HAS_SCALE, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT)
+                blk += nprog
+        elif INTERPRET:
+            # Triton 3.6's interpreter cannot take runtime bounds in tl.range (numpy >= 2): same body.
+            blk = pid
+            while blk < num_blocks:
+                _row_block(X, RECV, RES_IN, NORMED, RES_OUT, blk, n_valid, n_res_rows, stride_x_row,
+                           stride_recv_slot, stride_res_in_row, stride_normed_row, stride_res_out_row, eps, w, b,
+                           s, cols, cmask, NUM_SLOTS, HIDDEN, BLOCK_ROWS, RES_DTYPE, OUT_DTYPE, MID_DTYPE,
+                           HAS_MID, HAS_SCALE, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT)
+                blk += nprog
+        else:
+            # Pipelined: the loads of the next row blocks are issued before this block's reduction.
+            for blk in tl.range(pid, num_blocks, nprog, num_stages=NUM_STAGES):
+                _row_block(X, RECV, RES_IN, NORMED, RES_OUT, blk, n_valid, n_res_rows, stride_x_row,
+                           stride_recv_slot, stride_res_in_row, stride_normed_row, stride_res_out_row, eps, w, b,
+                           s, cols, cmask, NUM_SLOTS, HIDDEN, BLOCK_ROWS, RES_DTYPE, OUT_DTYPE, MID_DTYPE,
+                           HAS_MID, HAS_SCALE, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT)
+
+else:  # pragma: no cover
+    _add_rmsnorm_rows_kernel = None
+
+
+def use_triton(device: torch.device) -> bool:
+    """The Triton kernel runs on CUDA tensors, and on CPU ones under ``TRITON_INTERPRET=1``."""
+    return HAS_TRITON and (device.type == "cuda" or interpreting())
+
+
+def add_rmsnorm_rows(
+    x: torch.Tensor,
+    recv: Optional[torch.Tensor],
+    residual: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    weight: Optional[torch.Tensor],
+    scale: Optional[torch.Tensor],
+    normed: torch.Tensor,
+    res_out: torch.Tensor,
+    *,
+    n_valid: int,
+    eps: float,
+    mid_dtype: Optional[torch.dtype],
+    weight_offset: float,
+    num_ctas: int,
+    config: Optional[LaunchConfig] = None,
+    force_torch: bool = False,
+    preload: bool = False,
+) -> None:
+    """Write ``normed[:n_valid]`` and ``res_out[:len(res_out)]`` (zeros past ``n_valid``).
+
+    ``x`` [>= n_valid, H] (row stride free, unit column stride); ``recv`` [slots, >= n_valid, H]
+    contiguous rows, or None; ``residual`` [>= n_valid, H] or None; ``scale`` a 1-element tensor.
+    Rows of ``normed`` past ``n_valid`` are not touched.  ``preload``: compile and load the
+    kernel this call would launch (its module and function handles), launch nothing (see
+    :func:`weave_compile.kernels.ce.copy_engine.preload`).
+    """
+    hidden = x.shape[-1]
+    n_res_rows = res_out.shape[0]
+    if n_res_rows == 0:
+        return
+    if force_torch or not use_triton(x.device):
+        if preload:  # nothing to load: the torch path has no kernel of ours
+            return
+        _add_rmsnorm_rows_torch(x, recv, residual, bias, weight, scale, normed, res_out, n_valid=n_valid,
+                                eps=eps, mid_dtype=mid_dtype, weight_offset=weight_offset)
+        return
+    slots = 0 if recv is None else recv.shape[0]
+    cfg = config or launch_config(
+        hidden, slots=slots, elem_bytes=max(t.element_size() for t in (x, residual, recv) if t is not None),
+        res_bytes=res_out.element_size(), rows_per_cta=-(-n_res_rows // max(1, int(num_ctas))))
+    if recv is not None and (recv.stride(-1) != 1 or recv.stride(-2) != hidden):
+        raise ValueError("add_rmsnorm_rows: recv slots must hold contiguous rows")
+    for name, t in (("x", x), ("residual", residual), ("normed", normed), ("res_out", res_out)):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError(f"add_rmsnorm_rows: {name} needs unit column stride")
+    key = (hidden, slots, cfg, x.dtype, res_out.dtype, normed.dtype)
+    cfg = _SHRUNK.get(key, cfg)
+    while True:
+        try:
+            return _launch(x, recv, residual, bias, weight, scale, normed, res_out, n_valid, n_res_rows, eps,
+                           mid_dtype, weight_offset, num_ctas, cfg, slots, preload=preload)
+        except triton.runtime.errors.OutOfResources as e:
+            if cfg.num_stages <= 1 or cfg.prefetch:
+                raise
+            smaller = LaunchConfig(cfg.block_rows, cfg.num_stages - 1, cfg.num_warps)
+            log.info("add+norm shape %s does not fit (%s); retrying with %s", cfg, e, smaller)
+            cfg = _SHRUNK[key] = smaller
+
+
+_SHRUNK: dict = {}  # launch shapes that did not fit -> the shape that did
+
+
+def _launch(x, recv, residual, bias, weight, scale, normed, res_out, n_valid, n_res_rows, eps, mid_dtype,
+            weight_offset, num_ctas, cfg, slots, preload=False) -> None:
+    hidden = x.shape[-1]
+    dummy = x
+    grid = max(1, min(int(num_ctas), triton.cdiv(n_res_rows, cfg.block_rows)))
+    fn = _add_rmsnorm_rows_kernel.warmup if preload else _add_rmsnorm_rows_kernel[(grid,)]
+    compiled = fn(
+        x, recv if recv is not None else dummy, residual if residual is not None else dummy,
+        bias if bias is not None else dummy, weight if weight is not None else dummy,
+        scale if scale is not None else dummy, normed, res_out,
+        int(n_valid), int(n_res_rows), x.stride(0), recv.stride(0) if recv is not None else 0,
+        residual.stride(0) if residual is not None else 0, normed.stride(0), res_out.stride(0),
+        float(eps), float(weight_offset),
+        NUM_SLOTS=slots, HIDDEN=hidden, BLOCK_H=next_pow2(hidden), BLOCK_ROWS=cfg.block_rows,
+        NUM_STAGES=cfg.num_stages, RES_DTYPE=tl_dtype(res_out.dtype), OUT_DTYPE=tl_dtype(normed.dtype),
+        MID_DTYPE=tl_dtype(mid_dtype if mid_dtype is not None else torch.float32),
+        HAS_MID=mid_dtype is not None, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, INTERPRET=interpreting(),
+        PREFETCH=bool(cfg.prefetch), SLOTS_P2=next_pow2(max(1, slots)), CHUNK=int(cfg.chunk),
+        DEPTH=int(cfg.depth),
+        num_warps=cfg.num_warps, num_stages=1, **({"grid": (grid,)} if preload else {}))
+    if preload and hasattr(compiled, "_init_handles"):
+        compiled._init_handles()  # cuModuleLoadData + cuModuleGetFunction now, not at the launch
+
+
+def _add_rmsnorm_rows_torch(x, recv, residual, bias, weight, scale, normed, res_out, *, n_valid, eps,
+                            mid_dtype, weight_offset) -> None:
+    """The kernel's math with torch ops (CPU simulation path)."""
+    from weave_compile.rows import norm_rows
+
+    acc = x[:n_valid].float()
+    if recv is not None:
+        acc = acc + recv[:, :n_valid].float().sum(0)
+    if scale is not None:
+        acc = acc * scale.float().reshape(())
+    if bias is not None:
+        acc = acc + bias.float()
+    if residual is not None:
+        acc = acc + residual[:n_valid].float()
+    res = acc.to(res_out.dtype)
+    res_out[:n_valid].copy_(res)
+    res_out[n_valid:].zero_()
+    normed[:n_valid].copy_(norm_rows(res, weight, eps, normed.dtype, mid_dtype, weight_offset))

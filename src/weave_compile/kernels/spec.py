@@ -1,0 +1,103 @@
+"""The fused op's arguments, as the implementations receive them: a frozen spec and the rows.
+
+:class:`FusedSpec` holds every non-tensor argument of ``weave::allreduce_add_rmsnorm`` (dtypes,
+eps, flags, CTAs; their meaning: ``ops/allreduce_rmsnorm.py``). It is built and
+validated once, where the op is called, and handed down unchanged to the implementation and
+its launchers. :class:`Rows` is the one adapter between the op's tensors (any leading dims) and
+the ``[T, H]`` rows every implementation works on, and back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .shared.common import DEFAULT_COMM_CTAS, MAX_CTAS
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedSpec:
+    """The op's non-tensor arguments. ``comm_ctas``: thread blocks the communication may occupy
+    (the barrier kernels' signal-pad budget bounds it); ``out_slot`` >= 0: leave ``normed`` in
+    that slot of the symmetric output ring (implementations that take it), -1: a fresh tensor.
+    ``group_name`` may be empty for a launch on a prepared (emulated) workspace."""
+
+    residual_dtype: torch.dtype
+    out_dtype: torch.dtype
+    eps: float = 1e-6
+    group_name: str = ""
+    mid_dtype: Optional[torch.dtype] = None
+    weight_offset: float = 0.0
+    residual_in_sharded: bool = False
+    residual_out_sharded: bool = False
+    comm_ctas: int = DEFAULT_COMM_CTAS
+    out_slot: int = -1
+
+    def __post_init__(self) -> None:
+        for name in ("residual_dtype", "out_dtype"):
+            if not isinstance(getattr(self, name), torch.dtype):
+                raise TypeError(f"{name} must be a torch.dtype, got {getattr(self, name)!r}")
+        if self.mid_dtype is not None and not isinstance(self.mid_dtype, torch.dtype):
+            raise TypeError(f"mid_dtype must be a torch.dtype or None, got {self.mid_dtype!r}")
+        if isinstance(self.comm_ctas, bool) or not isinstance(self.comm_ctas, int) \
+                or not 1 <= self.comm_ctas <= MAX_CTAS:
+            raise ValueError(f"comm_ctas must be an int in [1, {MAX_CTAS}], got {self.comm_ctas!r}")
+        if self.out_slot < -1:
+            raise ValueError(f"out_slot must be -1 (a fresh output) or a ring slot >= 0, got {self.out_slot}")
+
+    @classmethod
+    def for_rows(cls, x: torch.Tensor, residual: Optional[torch.Tensor] = None, **kw) -> "FusedSpec":
+        """A spec for a direct call on ``x`` (and ``residual``): the residual output keeps the
+        residual's dtype (else x's), the normed output x's, unless ``kw`` says otherwise."""
+        if kw.get("residual_dtype") is None:
+            kw["residual_dtype"] = residual.dtype if residual is not None else x.dtype
+        if kw.get("out_dtype") is None:
+            kw["out_dtype"] = x.dtype
+        return cls(**kw)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Rows:
+    """The op's tensors as rows: ``x`` [T, H] (this rank's partial sums), ``residual`` [T, H] or,
+    with a sharded residual, this rank's [S, H] shard, ``bias`` and ``weight`` [H], ``scale`` and
+    ``eps_tensor`` 0-d (``eps_tensor`` only for implementations that read eps from a tensor).
+    ``shape`` is the op input's shape, which :meth:`restore` gives the outputs back."""
+
+    x: torch.Tensor
+    residual: Optional[torch.Tensor] = None
+    bias: Optional[torch.Tensor] = None
+    weight: Optional[torch.Tensor] = None
+    scale: Optional[torch.Tensor] = None
+    eps_tensor: Optional[torch.Tensor] = None
+    shape: tuple = ()
+
+    @classmethod
+    def of(cls, x: torch.Tensor, residual: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+           weight: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None,
+           eps_tensor: Optional[torch.Tensor] = None, *, residual_in_sharded: bool = False) -> "Rows":
+        """Views of the op's tensors as rows (a sharded residual is already [S, H])."""
+        hidden = x.shape[-1]
+        for name, t in (("bias", bias), ("weight", weight)):
+            if t is not None and t.numel() != hidden:
+                raise ValueError(f"{name} must have {hidden} elements (one per hidden column), "
+                                 f"got shape {tuple(t.shape)}")
+        if residual is not None and not residual_in_sharded:
+            residual = residual.reshape(-1, hidden)
+        return cls(x.reshape(-1, hidden), residual, None if bias is None else bias.reshape(hidden),
+                   None if weight is None else weight.reshape(hidden), scale, eps_tensor, tuple(x.shape))
+
+    @property
+    def num_tokens(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.x.shape[1]
+
+    def restore(self, normed: torch.Tensor, residual_out: torch.Tensor,
+                residual_out_sharded: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The outputs in the op input's shape (a sharded residual output stays [S, H])."""
+        shape = self.shape or tuple(self.x.shape)
+        return normed.reshape(shape), (residual_out if residual_out_sharded else residual_out.reshape(shape))

@@ -1,0 +1,86 @@
+"""Token rows across a process group: who owns which rows, and the collectives that move them.
+
+The fused op's contract (:mod:`weave_compile.ops.allreduce_rmsnorm`) splits the ``T`` token rows
+(the flattened leading dims of ``x``) into ``S = ceil(T / N)`` rows per rank, padded with zero
+rows; rank ``r`` owns rows ``[r*S, (r+1)*S)``. These helpers are that bookkeeping, the
+reduce-scatter / all-gather of rows with functional collectives (gloo on CPU, NCCL on GPU) and
+the RMSNorm of already-reduced rows in torch ops. The op layer and every implementation in
+:mod:`weave_compile.kernels` use them; this module imports neither.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def group_size_rank(group_name: str) -> tuple[int, int]:
+    """``(world size, this rank)`` of the process group registered as ``group_name``."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    pg = _resolve_process_group(group_name)
+    return pg.size(), pg.rank()
+
+
+def group_size(group_name: str) -> int:
+    return group_size_rank(group_name)[0]
+
+
+def rows_per_rank(num_rows, world_size: int):
+    """Rows each rank owns: ``ceil(T / N)``; works on SymInts."""
+    return (num_rows + world_size - 1) // world_size
+
+
+def num_rows(x: torch.Tensor):
+    """The flattened leading dims of ``x`` (its token rows); works on SymInts."""
+    rows = 1
+    for d in x.shape[:-1]:
+        rows = rows * d
+    return rows
+
+
+def rows_of_rank(num_tokens: int, per_rank: int, rank: int) -> int:
+    """How many of rank ``rank``'s ``per_rank`` rows are real (the rest pad ``T`` to ``S * N``)."""
+    return max(0, min(per_rank, num_tokens - rank * per_rank))
+
+
+def pad_rows(rows: torch.Tensor, padded: int) -> torch.Tensor:
+    """``rows`` [T, H] with zero rows appended up to ``padded`` rows (contiguous)."""
+    if rows.shape[0] == padded:
+        return rows.contiguous()
+    return torch.nn.functional.pad(rows, (0, 0, 0, padded - rows.shape[0]))
+
+
+def reduce_scatter_rows(rows: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
+    """This rank's ``[S, H]`` slice of the sum over ranks of ``rows`` [S * N, H]."""
+    out = torch.ops._c10d_functional.reduce_scatter_tensor(rows, "sum", world_size, group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+def all_gather_rows(rows: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
+    """Every rank's ``rows`` [S, H], stacked in rank order: [S * N, H]."""
+    out = torch.ops._c10d_functional.all_gather_into_tensor(rows.contiguous(), world_size, group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+def norm_rows(
+    res: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    eps,
+    out_dtype: torch.dtype,
+    mid_dtype: Optional[torch.dtype],
+    weight_offset: float,
+) -> torch.Tensor:
+    """RMSNorm of already-reduced rows in float32, following the contract's cast order.
+
+    ``eps`` is a number or a 0-d tensor."""
+    r = res.float()
+    y = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + eps)
+    if mid_dtype is not None:
+        y = y.to(mid_dtype).float()
+    if weight is not None:
+        y = y * (weight.float() + weight_offset)
+    return y.to(out_dtype)

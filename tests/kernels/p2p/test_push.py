@@ -1,0 +1,214 @@
+"""Tests for kernels/p2p/push.py on ONE GPU: the push kernel over emulated ranks.
+
+Every rank's buffers are ordinary allocations and every rank's launch runs on its own stream
+(``weave_compile.testing.emulated_ranks``), so the kernel's real barriers, peer stores and
+pointer tables run on one device.  Outputs are NaN-poisoned before every launch and compared
+with the float64 oracle; awkward T and H; bf16/fp16/fp32; sharded and full residuals; 1000
+back-to-back calls; CUDA-graph capture and replay with new data.  A spin limit turns a barrier
+that never completes into a failure (the status word), not a hang.  The 2-GPU tests of the
+real symmetric-memory path are in test_launch.py; the CPU interpreter run of this driver is in
+tests/testing/test_emulated_ranks.py.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from tests.kernels._symm_cases import (DTYPES, check_outputs, make_case, make_inputs,  # noqa: E402
+                                       reference, rows_ref, shard_rows)
+from weave_compile.kernels.shared.common import ENV_SPIN_LIMIT, HAS_TRITON  # noqa: E402
+from weave_compile.testing.emulated_ranks import EmulatedRanks, push_allreduce_rmsnorm  # noqa: E402
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")]
+os.environ.setdefault(ENV_SPIN_LIMIT, str(1 << 22))  # a hung barrier fails instead of hanging
+WORLD = 2
+
+
+def _cases():
+    cs = []
+    Ts = (1, 3, 257, 4099)
+    # every (dtype, H) pair, T and residual form rotating; H=5120 is the non-power-of-two size
+    for dt in ("bf16", "fp16", "fp32"):
+        for H in (2048, 4096, 8192, 5120):
+            k = len(cs)
+            cs.append(make_case(Ts[k % 4], H, dt, res=("full", "shard_both")[k % 2], seed=k + 1))
+    # every T with both residual forms at the Llama-8B size
+    for T in Ts:
+        for res in ("full", "shard_in", "shard_out", "shard_both"):
+            cs.append(make_case(T, 4096, "bf16", res=res, seed=len(cs) + 1))
+    cs += [
+        make_case(257, 4096, "bf16", res_dtype="fp32", mid="bf16", seed=101),  # HF Llama
+        make_case(257, 4096, "bf16", woff=1.0, bias=True, seed=102),  # Gemma, with a bias
+        make_case(4099, 8192, "fp32", out_dtype="bf16", weight=False, seed=103),
+        make_case(4099, 4096, "bf16", ctas=2, seed=104),
+        make_case(4099, 4096, "bf16", ctas=32, seed=105),
+        # no bias: the residual shard's rows past T are zero without the kernel's select (every
+        # input of theirs loads as 0); T odd, so the last shard has such a row
+        make_case(4099, 4096, "bf16", res="shard_both", bias=False, seed=106),
+        make_case(3, 8192, "bf16", res="shard_out", bias=False, seed=107),
+    ]
+    return cs
+
+
+def _run_case(ranks, c, outputs=None):
+    xs, residual, bias, weight = make_inputs(c, WORLD, "cuda")
+    in_sh, out_sh = c["res"] in ("shard_in", "shard_both"), c["res"] in ("shard_out", "shard_both")
+    res_in = [None if residual is None else (shard_rows(residual, WORLD, r) if in_sh else residual)
+              for r in range(WORLD)]
+    outs = push_allreduce_rmsnorm(
+        ranks, xs, res_in, bias, weight, residual_out_sharded=out_sh, residual_in_sharded=in_sh,
+        comm_ctas=c["ctas"], mid_dtype=DTYPES[c["mid"]] if c["mid"] else None,
+        weight_offset=c["woff"], eps=1e-6, outputs=outputs)
+    torch.cuda.synchronize()
+    return outs, reference(c, xs, residual, bias, weight)
+
+
+def _ranks_for(c, max_tokens=None):
+    dt = DTYPES[c["dtype"]]
+    rdt = DTYPES[c["res_dtype"]] if c["res_dtype"] else dt
+    return EmulatedRanks.create(WORLD, c["H"], max_tokens or c["T"], dtype=dt,
+                                out_dtype=DTYPES[c["out_dtype"]] if c["out_dtype"] else dt,
+                                residual_dtype=rdt if c["res"] != "none" else dt)
+
+
+def _poisoned(ranks, c):
+    T, H = c["T"], c["H"]
+    S = math.ceil(T / WORLD)
+    ws = ranks.workspaces[0]
+    rows = S if c["res"] in ("shard_out", "shard_both") else T
+    return [(torch.full((T, H), float("nan"), dtype=ws.out_dtype, device="cuda"),
+             torch.full((rows, H), float("nan"), dtype=ws.res_dtype, device="cuda"))
+            for _ in range(WORLD)]
+
+
+@pytest.mark.parametrize("c", _cases(), ids=lambda c: " ".join(
+    f"{k}={c[k]}" for k in ("T", "H", "dtype", "res", "ctas", "mid", "res_dtype", "out_dtype", "woff")
+    if c[k] not in (None, 0.0)))
+def test_push_matches_float64_oracle(c):
+    ranks = _ranks_for(c)
+    outs, (ref_n, ref_r) = _run_case(ranks, c, outputs=_poisoned(ranks, c))
+    for r, (normed, res_out) in enumerate(outs):
+        ok, en, er, msg = check_outputs(c, WORLD, r, normed, res_out, ref_n, ref_r)
+        assert ok, f"rank {r}: {msg}"
+    assert ranks.barrier_state() == (0, 0), "barrier timeouts / signal pads not reset"
+
+
+@pytest.mark.parametrize("ring", [False, True], ids=["fresh", "ring"])
+def test_push_1000_back_to_back_calls(ring):
+    """ring: the outputs alternate ring slots 1 and 2 (each checked before its slot comes back)."""
+    H, Ts = 4096, (512, 77, 1)
+    ranks = EmulatedRanks.create(WORLD, H, max(Ts), dtype=torch.bfloat16)
+    weight = torch.randn(H, device="cuda").bfloat16()
+    bad = []
+    for i in range(1000):
+        T = Ts[i % len(Ts)]
+        c = make_case(T, H, "bf16", bias=False, seed=10_000 + i)
+        xs, residual, _, _ = make_inputs(c, WORLD, "cuda")
+        outs = push_allreduce_rmsnorm(ranks, xs, [residual] * WORLD, None, weight,
+                                      out_slot=1 + i % 2 if ring else -1)
+        if i % 100 == 0 or i == 999:
+            torch.cuda.synchronize()
+            ref_n, ref_r = rows_ref(xs, residual, None, weight)
+            for r, (n, ro) in enumerate(outs):
+                ok, _, _, msg = check_outputs(c, WORLD, r, n, ro, ref_n, ref_r)
+                if not ok:
+                    bad.append((i, r, msg))
+    torch.cuda.synchronize()
+    assert not bad, bad[:5]
+    assert ranks.barrier_state() == (0, 0)
+
+
+@pytest.mark.parametrize("ring", [False, True], ids=["fresh", "ring"])
+def test_push_cuda_graph_replays_with_new_data(ring):
+    """ring: the captured launch leaves its output in ring slot 1."""
+    H, T = 4096, 300
+    slot = 1 if ring else -1
+    ranks = EmulatedRanks.create(WORLD, H, T, dtype=torch.bfloat16)
+    c0 = make_case(T, H, "bf16", bias=False, seed=777)
+    xs, residual, _, weight = make_inputs(c0, WORLD, "cuda")
+    x_static = [x.clone() for x in xs]
+    r_static = residual.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compiles the kernel outside capture
+        outs = push_allreduce_rmsnorm(ranks, x_static, [r_static] * WORLD, None, weight, out_slot=slot)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = push_allreduce_rmsnorm(ranks, x_static, [r_static] * WORLD, None, weight, outputs=outs,
+                                      out_slot=slot)
+    for k in range(5):
+        c = make_case(T, H, "bf16", bias=False, seed=900 + k)
+        xs, residual, _, _ = make_inputs(c, WORLD, "cuda")
+        for xst, x in zip(x_static, xs):
+            xst.copy_(x)
+        r_static.copy_(residual)
+        for n, ro in outs:
+            n.fill_(float("nan"))
+            ro.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref_n, ref_r = rows_ref(xs, residual, None, weight)
+        for r, (n, ro) in enumerate(outs):
+            ok, _, _, msg = check_outputs(c, WORLD, r, n, ro, ref_n, ref_r)
+            assert ok, f"replay {k} rank {r}: {msg}"
+        # eager launches between replays keep the pads in step
+        eager = push_allreduce_rmsnorm(ranks, xs, [residual] * WORLD, None, weight)
+        torch.cuda.synchronize()
+        assert check_outputs(c, WORLD, 0, *eager[0], ref_n, ref_r)[0]
+    assert ranks.barrier_state() == (0, 0)
+
+
+@pytest.mark.parametrize("c", [make_case(4099, 4096, "bf16", res="shard_both", seed=201),
+                               make_case(257, 5120, "bf16", res_dtype="fp32", mid="bf16", seed=202),
+                               make_case(3, 2048, "fp16", res="full", seed=203),
+                               make_case(1000, 8192, "fp32", out_dtype="bf16", ctas=8, seed=204)],
+                         ids=lambda c: f"T={c['T']} H={c['H']} {c['dtype']} {c['res']}")
+def test_push_output_left_in_the_ring(c):
+    """out_slot: the normed output is the ring slot itself, equal to the oracle, with the other
+    slots (staging slot 0 included) untouched; a launch on the other slot leaves it intact."""
+    ranks = _ranks_for(c, max_tokens=c["T"] + 64)  # peers' slots start elsewhere than global rows
+    xs, residual, bias, weight = make_inputs(c, WORLD, "cuda")
+    in_sh, out_sh = c["res"] in ("shard_in", "shard_both"), c["res"] in ("shard_out", "shard_both")
+    res_in = [None if residual is None else (shard_rows(residual, WORLD, r) if in_sh else residual)
+              for r in range(WORLD)]
+    kw = dict(residual_out_sharded=out_sh, residual_in_sharded=in_sh, comm_ctas=c["ctas"],
+              mid_dtype=DTYPES[c["mid"]] if c["mid"] else None, weight_offset=c["woff"], eps=1e-6)
+    outs = push_allreduce_rmsnorm(ranks, xs, res_in, bias, weight, out_slot=1, **kw)
+    torch.cuda.synchronize()
+    ref_n, ref_r = reference(c, xs, residual, bias, weight)
+    for r, (normed, res_out) in enumerate(outs):
+        ring = ranks.workspaces[r].out_ring
+        assert normed.data_ptr() == ring[1].data_ptr()
+        assert torch.isnan(ring[0]).all() and torch.isnan(ring[2]).all(), f"rank {r}: stray ring stores"
+        ok, _, _, msg = check_outputs(c, WORLD, r, normed, res_out, ref_n, ref_r)
+        assert ok, f"rank {r}: {msg}"
+    kept = [n.clone() for n, _ in outs]
+    c2 = dict(c, seed=c["seed"] + 1000)
+    xs2, residual2, _, _ = make_inputs(c2, WORLD, "cuda")
+    res_in2 = [None if residual2 is None else (shard_rows(residual2, WORLD, r) if in_sh else residual2)
+               for r in range(WORLD)]
+    outs2 = push_allreduce_rmsnorm(ranks, xs2, res_in2, bias, weight, out_slot=2, **kw)
+    torch.cuda.synchronize()
+    ref_n2, ref_r2 = reference(c2, xs2, residual2, bias, weight)
+    for r, ((n1, _), (n2, ro2)) in enumerate(zip(outs, outs2)):
+        assert torch.equal(n1, kept[r]), f"rank {r}: the slot-2 launch changed slot 1"
+        assert check_outputs(c2, WORLD, r, n2, ro2, ref_n2, ref_r2)[0]
+    assert ranks.barrier_state() == (0, 0)
+
+
+def test_emulated_grids_must_fit_the_gpu():
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ranks = EmulatedRanks.create(WORLD, 64, 8, dtype=torch.bfloat16)
+    ranks.check_coresident(sms // WORLD)
+    with pytest.raises(ValueError, match="resident"):
+        ranks.check_coresident(sms // WORLD + 1)

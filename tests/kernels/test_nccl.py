@@ -1,0 +1,76 @@
+"""The ``nccl`` fused-op implementation on 2 and 3 gloo ranks (its collectives are functional
+collectives, so gloo carries them on CPU; the add+norm runs its torch path there), through the
+registered op with ``kernel="nccl"``, against the float64 oracle."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from weave_compile.kernels.reference import allreduce_add_rmsnorm_ref as _oracle
+from weave_compile.rows import rows_per_rank
+from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
+
+CASES = [
+    # (T, H, dtype, residual, bias, in_sharded, out_sharded, scaled)
+    (1, 24, torch.float32, True, False, False, False, False),
+    (7, 40, torch.bfloat16, True, True, False, False, False),
+    (67, 96, torch.float32, True, False, True, True, False),
+    (10, 32, torch.float32, False, True, False, True, True),
+    (13, 48, torch.bfloat16, True, False, True, False, False),
+]
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+
+
+def allreduce_add_rmsnorm_ref(*args, **kwargs):
+    """The one oracle (kernels/reference.py), its outputs (rounded where the contract rounds) as float64."""
+    return tuple(t.double() for t in _oracle(*args, **kwargs))
+
+
+def _make(case, seed, world):
+    T, H, dt, has_res, has_bias, *_ = case
+    g = torch.Generator().manual_seed(seed)
+    partials = [torch.randn(T, H, generator=g).to(dt) for _ in range(world)]
+    residual = torch.randn(T, H, generator=g).to(dt) if has_res else None
+    bias = torch.randn(H, generator=g).to(dt) if has_bias else None
+    weight = (1 + 0.1 * torch.randn(H, generator=g)).to(dt)
+    return partials, residual, bias, weight
+
+
+def _run(rank, world, seed):
+    from weave_compile.ops import allreduce_add_rmsnorm as op
+
+    outs = []
+    for i, case in enumerate(CASES):
+        T, H, dt, _, _, in_sh, out_sh, scaled = case
+        partials, residual, bias, weight = _make(case, seed + i, world)
+        per = rows_per_rank(T, world)
+        if in_sh and residual is not None:
+            residual = torch.nn.functional.pad(residual, (0, 0, 0, per * world - T))[rank * per:(rank + 1) * per]
+        scale = torch.tensor(0.75) if scaled else None
+        outs.append(op(partials[rank], residual, bias, weight, 1e-5, "0", dt, dt, None, 0.0, in_sh, out_sh,
+                       "nccl", 4, scale))
+    return outs
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_nccl_kernel_matches_float64(world):
+    seed = random.randrange(2**31)
+    results = assert_ranks_ok(run_ranks(_run, world, args=(seed,), timeout=240))
+    for i, case in enumerate(CASES):
+        T, H, dt, _, _, in_sh, out_sh, scaled = case
+        partials, residual, bias, weight = _make(case, seed + i, world)
+        y, acc = allreduce_add_rmsnorm_ref(partials, residual, bias, weight, eps=1e-5,
+                                           scale=torch.tensor(0.75) if scaled else None)
+        per = rows_per_rank(T, world)
+        for rank, outs in enumerate(results):
+            normed, res = outs[i]
+            torch.testing.assert_close(normed.double(), y, **TOL[dt], msg=lambda m: f"seed {seed} case {i}: {m}")
+            if out_sh:
+                n = max(0, min(per, T - rank * per))
+                torch.testing.assert_close(res[:n].double(), acc[rank * per:rank * per + n], **TOL[dt])
+                assert res.shape == (per, H) and torch.all(res[n:] == 0)
+            else:
+                torch.testing.assert_close(res.double(), acc, **TOL[dt])

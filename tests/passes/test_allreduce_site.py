@@ -1,0 +1,64 @@
+"""One site, matched and replaced (passes/allreduce_site.py): the match object and its replace_with()."""
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from tests.passes.test_fuse_allreduce_rmsnorm_graphs import group  # noqa: F401  (a fake 2-rank group)
+from weave_compile.ops import FUSED_OP
+from weave_compile.passes.allreduce_site import NoMatch, match_site
+from weave_compile.passes.graph_utils import fake_mode_of, named_args
+
+ar_op = torch.ops._c10d_functional.all_reduce
+wait = torch.ops._c10d_functional.wait_tensor
+T, H = 6, 16
+
+
+def _graph(fn, n_inputs=4):
+    shapes = [(T, H), (T, H), (H,), (H,)][:n_inputs]
+    return make_fx(fn, tracing_mode="fake")(*[torch.randn(s) for s in shapes]).graph
+
+
+def _all_reduce(graph):
+    return next(n for n in graph.nodes if n.target == ar_op.default)
+
+
+def test_a_site_with_bias_and_residual_is_matched_and_replaces_itself(group):
+    def f(x, res, b, w):
+        h = res + (wait(ar_op(x, "sum", group)) + b)
+        return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)), h
+
+    g = _graph(f)
+    x, res, b, w = [n for n in g.nodes if n.op == "placeholder"]
+    m = match_site(_all_reduce(g))
+    assert (m.residual, m.bias, m.norm.weight, m.scale) == (res, b, w, None)
+    assert m.anchor is m.residual_out and m.describe() == "all_reduce +bias +residual -> rmsnorm *w in fp32"
+    fused = m.replace_with(fake_mode_of(g), kernel="reference", comm_ctas=8)
+    g.lint()
+    assert fused.target == FUSED_OP and not any(n.target == ar_op.default for n in g.nodes)
+    args = named_args(fused)
+    assert (args["x"], args["residual"], args["bias"], args["weight"]) == (x, res, b, w)
+    assert (args["kernel"], args["comm_ctas"], args["eps"], args["group_name"]) == ("reference", 8, 1e-6, group)
+    normed, residual_out = g.output_node().args[0]  # both outputs now read the op's results
+    assert normed.args == (fused, 0) and residual_out.args == (fused, 1)
+
+
+@pytest.mark.parametrize("form,reason", [
+    ("max", "reduce op 'max' is not sum"),
+    ("no_norm", "feeds aten.relu.default before any RMSNorm"),
+    ("sum_read_elsewhere", "the fused op returns only the sum after"),
+])
+def test_sites_left_alone_say_why(group, form, reason):
+    def f(x, res):
+        y = wait(ar_op(x, "max" if form == "max" else "sum", group))
+        if form == "no_norm":
+            return torch.relu(res + y)
+        h = res + y
+        out = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        if form == "sum_read_elsewhere":
+            return out, y * 2  # the reduced sum before the residual add: the op does not return it
+        return out
+
+    g = _graph(f, 2)
+    with pytest.raises(NoMatch, match=reason):
+        match_site(_all_reduce(g))
