@@ -186,14 +186,16 @@ def p2p_design(rows: int, hidden: int, ctas: int, dev, *, phases: int = 7, low_p
 
 
 def ce_design(rows: int, hidden: int, ctas: int, dev) -> Design:
-    from weave_compile.kernels import copy_engine as ce
+    from weave_compile.kernels.ce import copy_engine as ce
+    from weave_compile.kernels.spec import FusedSpec, Rows
 
     wss = ce.emulated_workspaces(2, math.ceil(rows / 2), hidden, (DTYPE,) * 3, device=dev, poison=False)
     xs, res, weight = _emulated_inputs(2, rows, hidden, dev)
     streams = [torch.cuda.Stream(dev) for _ in range(2)]
-    kw = dict(eps=1e-6, residual_in_sharded=True, residual_out_sharded=True, num_ctas=ctas)
+    spec = FusedSpec(DTYPE, DTYPE, residual_in_sharded=True, residual_out_sharded=True, comm_ctas=ctas)
+    rank_rows = [Rows.of(xs[r], res[r], weight=weight, residual_in_sharded=True) for r in range(2)]
     for r in range(2):  # load every kernel before any stream waits on a peer
-        ce.preload(ce.ce_call(wss[r], xs[r], res[r], None, weight, None, run=False, **kw)[2])
+        ce.preload(ce.ce_call(wss[r], rank_rows[r], spec, run=False)[2])
 
     def enqueue(n: int) -> None:
         cur = torch.cuda.current_stream()
@@ -201,7 +203,7 @@ def ce_design(rows: int, hidden: int, ctas: int, dev) -> Design:
             for r in range(2):
                 streams[r].wait_stream(cur)
                 with torch.cuda.stream(streams[r]):
-                    ce.ce_call(wss[r], xs[r], res[r], None, weight, None, **kw)
+                    ce.ce_call(wss[r], rank_rows[r], spec)
             for s in streams:
                 cur.wait_stream(s)
 
@@ -209,18 +211,22 @@ def ce_design(rows: int, hidden: int, ctas: int, dev) -> Design:
 
 
 def oneshot_design(rows: int, hidden: int, ctas: int, dev) -> Optional[Design]:
-    from weave_compile.kernels import oneshot
+    from weave_compile.kernels.oneshot import ONESHOT_MAX_BYTES
+    from weave_compile.kernels.oneshot.kernel import launch
+    from weave_compile.kernels.oneshot.workspace import layout, workspace_from_buffers
+    from weave_compile.kernels.spec import FusedSpec, Rows
 
-    use, why = oneshot.choose("oneshot", rows, hidden, DTYPE)
-    if not use:
-        print(f"  oneshot skipped: {why}", flush=True)
+    if rows * hidden * DTYPE.itemsize > ONESHOT_MAX_BYTES:
+        print(f"  oneshot skipped: T*H*b = {rows * hidden * DTYPE.itemsize} B > {ONESHOT_MAX_BYTES} B", flush=True)
         return None
     S = math.ceil(rows / 2)
-    lay = oneshot.layout(S * 2, 2, hidden, DTYPE, DTYPE)
+    lay = layout(S * 2, 2, hidden, DTYPE, DTYPE)
     bufs = [torch.empty(lay.total, dtype=torch.uint8, device=dev) for _ in range(2)]
-    wss = [oneshot.workspace_from_buffers(bufs, r, hidden=hidden, in_dtype=DTYPE, res_dtype=DTYPE, capacity=S * 2)
+    wss = [workspace_from_buffers(bufs, r, hidden=hidden, in_dtype=DTYPE, res_dtype=DTYPE, capacity=S * 2)
            for r in range(2)]
     xs, res, weight = _emulated_inputs(2, rows, hidden, dev)
+    spec = FusedSpec(DTYPE, DTYPE, residual_in_sharded=True, residual_out_sharded=True, comm_ctas=ctas)
+    rank_rows = [Rows.of(xs[r], res[r], weight=weight, residual_in_sharded=True) for r in range(2)]
     outs = [(torch.empty(rows, hidden, device=dev, dtype=DTYPE), torch.empty(S, hidden, device=dev, dtype=DTYPE))
             for _ in range(2)]
     streams = [torch.cuda.Stream(dev) for _ in range(2)]
@@ -232,9 +238,7 @@ def oneshot_design(rows: int, hidden: int, ctas: int, dev) -> Optional[Design]:
             for r in range(2):
                 streams[r].wait_stream(cur)
                 with torch.cuda.stream(streams[r]):
-                    oneshot.launch(wss[r], xs[r], res[r], None, weight, *outs[r], eps=1e-6, mid_dtype=None,
-                                   weight_offset=0.0, residual_in_sharded=True, residual_out_sharded=True,
-                                   num_ctas=ctas)
+                    launch(wss[r], rank_rows[r], spec, *outs[r])
             for s in streams:
                 cur.wait_stream(s)
 
