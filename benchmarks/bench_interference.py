@@ -373,6 +373,46 @@ def measure(design: Design, gemm: GemmGraph, gemm_alone: float, repeats: int, de
                 comm_calls=n_cover)
 
 
+def _compile_p2p(job: tuple) -> str:
+    """Compile (into Triton's on-disk cache) the push kernel one ``p2p*`` point launches."""
+    rows, hidden, ctas, phases = job
+    from weave_compile.kernels.p2p import launch
+    from weave_compile.kernels.spec import FusedSpec, Rows
+    from weave_compile.testing.emulated_ranks import EmulatedRanks
+
+    dev = torch.device("cuda", 0)
+    ranks = EmulatedRanks.create(2, hidden, rows, dtype=DTYPE, device=dev)
+    xs, res, weight = _emulated_inputs(2, rows, hidden, dev)
+    S = math.ceil(rows / 2)
+    spec = FusedSpec(DTYPE, DTYPE, group_name="emulated", residual_in_sharded=True, residual_out_sharded=True,
+                     comm_ctas=ctas)
+    meta = launch.push_meta(hidden, S, ctas, 2, DTYPE.itemsize, DTYPE.itemsize, None)
+    out = (torch.empty(rows, hidden, device=dev, dtype=DTYPE), torch.empty(S, hidden, device=dev, dtype=DTYPE))
+    for ws in ranks.workspaces:
+        launch.launch_push(ws, Rows(xs[ws.rank], res[ws.rank], None, weight), spec, *out, meta=meta,
+                           phases=phases, compile_only=True)
+    return f"{rows}x{hidden}@{ctas}/{phases}"
+
+
+def precompile(specs: list[str], rows_list: list[int], hiddens: list[int], workers: int) -> None:
+    """Compile every push-kernel variant the run will launch, ``workers`` processes at a time
+    (ptxas on the unrolled kernel takes seconds per variant; the timed run then loads them)."""
+    import multiprocessing as mp
+
+    jobs = set()
+    for spec in specs:
+        name, _, ctas = spec.partition("@")
+        if name.startswith("p2p"):
+            for rows in rows_list:
+                for hidden in hiddens:
+                    jobs.add((rows, hidden, int(ctas.partition(":")[0] or 8), 0 if name == "p2p_barriers" else 7))
+    if not jobs:
+        return
+    with mp.get_context("spawn").Pool(workers) as pool:
+        for done in pool.imap_unordered(_compile_p2p, sorted(jobs)):
+            print("  compiled", done, flush=True)
+
+
 def default_designs(ctas: list[int]) -> list[str]:
     out = [f"p2p@{c}" for c in ctas] + [f"ce@{c}" for c in ctas] + ["oneshot"]
     out += ["p2p_barriers@8", "p2p_lowprio@8"]
@@ -392,18 +432,23 @@ def main() -> None:
     ap.add_argument("--gemm-ms", type=float, default=3.0, help="length of one GEMM graph replay")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--csv-name", default="interference.csv")
+    ap.add_argument("--precompile", type=int, default=0, help="processes that compile the push kernel's "
+                    "variants before timing (0: compile when first launched)")
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     ctas = [int(c) for c in args.ctas.split(",")]
     specs = [s for s in args.designs.split(",") if s] or default_designs(ctas)
     path = os.path.join(args.out, args.csv_name)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    if args.precompile:
+        precompile(specs, rows_list, sorted({DIMS[d]["hidden"] for d in args.dims.split(",")}), args.precompile)
     m = run_meta(dev)
     rows_out: list[dict] = []
     for dims in args.dims.split(","):
         hidden = DIMS[dims]["hidden"]
         for tp in [int(t) for t in args.tp.split(",")]:
-            for rows in [int(r) for r in args.rows.split(",")]:
+            for rows in rows_list:
                 gemm = GemmGraph(dims, tp, rows, args.gemm_ms, dev)
                 alone = replay_us(gemm.graph, torch.cuda.Stream(dev), args.repeats)
                 print(f"{dims} tp={tp} rows={rows}: GEMMs alone {alone:.0f} us ({gemm.reps} layer passes)",
