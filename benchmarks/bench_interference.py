@@ -13,7 +13,8 @@ design is judged by what it costs those GEMMs, not by its own speed alone. Here:
   emulated ranks, each on its own stream, bf16, sharded residual in and out: what a split layer
   runs), captured in a second CUDA graph replayed on a high-priority stream (TokenWeave's comm
   stream priority) and looped long enough to cover the GEMM graph;
-* ``slowdown`` = GEMM graph time beside the design / alone (median of ``--repeats``);
+* ``slowdown`` = GEMM graph time beside the design / alone (medians of ``--repeats``, the alone
+  and overlapped replays taken in turn, so that clock drift over the run falls on both alike);
   ``comm_with_gemm_us`` = one call's time when a shorter loop of calls runs entirely inside the
   GEMM graph, ``comm_alone_us`` = one call's time alone.
 
@@ -82,7 +83,7 @@ class GemmGraph:
             w = (torch.randn(n, k, device=dev, dtype=DTYPE) * k ** -0.5)
             self.ops.append((a, w.t(), torch.empty(rows, n, device=dev, dtype=DTYPE)))  # x @ W.T, as F.linear
         one = self._time_eager()
-        self.reps = max(1, math.ceil(target_ms * 1e3 / one))
+        self.reps = max(2, math.ceil(target_ms * 1e3 / one))
         self.graph = capture(self._run_once, self.reps, torch.cuda.Stream(dev))
 
     def _run_once(self) -> None:
@@ -111,37 +112,42 @@ def capture(fn: Callable[[], None], n: int, stream: torch.cuda.Stream) -> torch.
     return g
 
 
-def replay_us(g: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, repeats: int) -> float:
-    """Median time of one replay of ``g`` on ``stream``, alone."""
-    times = []
-    for _ in range(repeats + 1):
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
-            s.record()
+def _timed(*launches: tuple) -> list[float]:
+    """Replay each ``(graph, stream)`` at once, in the given order; each one's time in us."""
+    torch.cuda.synchronize()
+    evs = []
+    for g, s in launches:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(s):
+            a.record()
             g.replay()
-            e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
-    return statistics.median(times[1:])  # the first replay uploads the graph
+            b.record()
+        evs.append((a, b))
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) * 1e3 for a, b in evs]
 
 
-def replay_together(first: tuple, second: tuple, repeats: int) -> tuple[float, float]:
-    """Median times of two graphs replayed at once, ``first`` enqueued first: ``(t_first, t_second)``
-    in microseconds; each element ``(graph, stream)``."""
-    t1, t2 = [], []
-    for _ in range(repeats + 1):
-        torch.cuda.synchronize()
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-        for (g, s), (a, b) in ((first, ev[:2]), (second, ev[2:])):
-            with torch.cuda.stream(s):
-                a.record()
-                g.replay()
-                b.record()
-        torch.cuda.synchronize()
-        t1.append(ev[0].elapsed_time(ev[1]) * 1e3)
-        t2.append(ev[2].elapsed_time(ev[3]) * 1e3)
-    return statistics.median(t1[1:]), statistics.median(t2[1:])
+def replay_us(g: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, repeats: int) -> float:
+    """Median time of one replay of ``g`` on ``stream``, alone (the first replay uploads the graph)."""
+    return statistics.median([_timed((g, stream))[0] for _ in range(repeats + 1)][1:])
+
+
+def gemm_alone_and_beside(gemm: tuple, comm: tuple, repeats: int) -> tuple[float, float]:
+    """Median GEMM-graph time alone and with ``comm`` replayed beside it (enqueued first), the
+    two measured in turn so that a drift of the clocks over the run falls on both alike."""
+    alone, beside = [], []
+    for i in range(repeats + 1):
+        a = _timed(gemm)[0]
+        b = _timed(comm, gemm)[1]
+        if i:
+            alone.append(a)
+            beside.append(b)
+    return statistics.median(alone), statistics.median(beside)
+
+
+def comm_beside(gemm: tuple, comm: tuple, repeats: int) -> float:
+    """Median time of ``comm`` replayed while the GEMM graph (enqueued first) runs."""
+    return statistics.median([_timed(gemm, comm)[1] for _ in range(repeats + 1)][1:])
 
 
 # ----------------------------------------------------------------------------- designs
@@ -342,6 +348,8 @@ def make_design(spec: str, rows: int, hidden: int, dev) -> Optional[Design]:
 
 
 def measure(design: Design, gemm: GemmGraph, gemm_alone: float, repeats: int, dev) -> dict:
+    """One point. ``gemm_alone`` (measured once per shape) only sizes the loops; the slowdown is
+    against alone times measured in turn with the overlapped ones."""
     hi = torch.cuda.Stream(dev, priority=-1)
     lo = torch.cuda.Stream(dev)
     comm_stream = lo if design.low_priority else hi
@@ -354,23 +362,22 @@ def measure(design: Design, gemm: GemmGraph, gemm_alone: float, repeats: int, de
     # Slowdown: a loop of units covering the whole GEMM graph.
     n_cover = math.ceil(1.3 * gemm_alone / unit) + 1
     cover = capture(lambda: design.enqueue(n_cover), 1, comm_stream)
-    _, gemm_with = replay_together((cover, comm_stream), (gemm.graph, compute), repeats)
+    alone, gemm_with = gemm_alone_and_beside((gemm.graph, compute), (cover, comm_stream), repeats)
     del cover
     # The design's own time beside the GEMMs: a loop short enough to run inside the GEMM graph.
     n_inside = math.floor(0.6 * gemm_alone / unit)
     comm_with = float("nan")
     if n_inside >= 1:
         inside = capture(lambda: design.enqueue(n_inside), 1, comm_stream)
-        _, t = replay_together((gemm.graph, compute), (inside, comm_stream), repeats)
-        comm_with = t / n_inside
+        comm_with = comm_beside((gemm.graph, compute), (inside, comm_stream), repeats) / n_inside
         del inside
     if hasattr(design, "check"):
         timeouts, stuck = design.check()
         if timeouts or stuck:
             raise RuntimeError(f"{design.name}@{design.ctas}: {timeouts} barrier timeouts, {stuck} pad slots set")
-    return dict(gemm_with_comm_us=round(gemm_with, 1), slowdown=round(gemm_with / gemm_alone, 4),
-                comm_alone_us=round(unit, 2), comm_with_gemm_us=round(comm_with, 2) if comm_with == comm_with else "",
-                comm_calls=n_cover)
+    return dict(gemm_alone_us=round(alone, 1), gemm_with_comm_us=round(gemm_with, 1),
+                slowdown=round(gemm_with / alone, 4), comm_alone_us=round(unit, 2),
+                comm_with_gemm_us=round(comm_with, 2) if comm_with == comm_with else "", comm_calls=n_cover)
 
 
 def _compile_p2p(job: tuple) -> str:
@@ -416,7 +423,8 @@ def precompile(specs: list[str], rows_list: list[int], hiddens: list[int], worke
 def default_designs(ctas: list[int]) -> list[str]:
     out = [f"p2p@{c}" for c in ctas] + [f"ce@{c}" for c in ctas] + ["oneshot"]
     out += ["p2p_barriers@8", "p2p_lowprio@8"]
-    out += ["standin:spin@4", "standin:spin@16", "standin:train@16:10", "standin:train@4", "standin:train@16",
+    out += ["standin:train@1:5",  # control: 5 us kernels on one SM should cost nothing
+            "standin:spin@4", "standin:spin@16", "standin:train@16:10", "standin:train@4", "standin:train@16",
             "standin:train@16:1000", "standin:stream@4", "standin:stream@16", "standin:copy"]
     return out
 
@@ -430,7 +438,7 @@ def main() -> None:
     ap.add_argument("--ctas", default="2,4,8,16,32", help="CTA counts of p2p and ce")
     ap.add_argument("--designs", default="", help="comma list (default: every design and stand-in)")
     ap.add_argument("--gemm-ms", type=float, default=3.0, help="length of one GEMM graph replay")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--csv-name", default="interference.csv")
     ap.add_argument("--precompile", type=int, default=0, help="processes that compile the push kernel's "
                     "variants before timing (0: compile when first launched)")
@@ -463,7 +471,7 @@ def main() -> None:
                         print(f"  {spec}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                         continue
                     row = dict(m, design=design.name, ctas=design.ctas, dims=dims, tp=tp, rows=rows,
-                               gemm_reps=gemm.reps, gemm_alone_us=round(alone, 1), **r)
+                               gemm_reps=gemm.reps, **r)
                     rows_out.append(row)
                     write_csv(path, rows_out, COLUMNS)
                     print(f"  {design.name:>18}@{design.ctas:<2} slowdown {r['slowdown']:.3f}  "
