@@ -209,3 +209,21 @@ def test_first_difference_names_the_differing_arguments_only():
                     "rank 1 residual_out_sharded=True")
     assert consensus.first_difference(0, [AR], 1, [AR10]).endswith("rank 0 input=float32[8, 32]; rank 1 input=float32[10, 32]")
     assert consensus.first_difference(0, [AR], 1, [FUSED_A]) == f"the first difference is op 1, rank 0 `{AR}`, rank 1 `{FUSED_A}`"
+
+
+def test_a_rank_that_gave_up_as_the_group_settled_fused_runs_fused():
+    """Rank 0 timed out waiting for rank 1's confirmation just as it came and rank 1 settled the
+    group fused: every peer confirmed rank 0's communication, so rank 0 runs fused too."""
+    store = dist.HashStore()
+    groups = [consensus._Group(store, (0, 1), r, *A, f"graph {r}") for r in (0, 1)]
+    for g in groups:
+        g.publish()
+        g.store.set(f"ready/{g.digest}/{g.me}", "1")
+    assert consensus._decide([groups[1]], None, "graph 1").fused
+    late = consensus._Outcome("absent", "rank(s) [1] reached the same communication, but ...")
+    assert consensus._decide([groups[0]], late, "graph 0").fused
+    # Not so where the peer never confirmed this communication: the group ran other fused graphs.
+    other = consensus._Group(store, (0, 1), 0, *B, "graph 2")
+    other.publish()
+    with pytest.raises(RankDisagreement, match="already ran fused collectives"):
+        consensus._decide([other], consensus._Outcome("absent", "rank(s) [1] did not reach ..."), "graph 2")

@@ -172,6 +172,10 @@ class _Group:
         differing = [(p, theirs) for p in missing if (theirs := self._deadlocked_with(p))]
         return (self._disagreement(differing) if differing else None), missing
 
+    def confirmed(self) -> bool:
+        """Every peer compiled this communication and every other group of its graph agreed."""
+        return all(self.store.check([f"ready/{self.digest}/{p}"]) for p in self.peers)
+
     def _deadlocked_with(self, p: int) -> str:
         """The digest ``p`` waits for if neither can progress: ``p`` waits for communication this rank
         never compiled, this rank for one ``p`` never compiled, and neither publishes while waiting."""
@@ -225,7 +229,9 @@ def _decide(groups: list[_Group], outcome: Optional[_Outcome], what: str) -> Dec
     target = FUSED if outcome is None else FAILED if outcome.kind == "unsafe" else DEGRADED
     modes = [g.settle(target, outcome.detail if outcome else "") for g in groups]
     states = [state for state, _ in modes]
-    if target == FUSED and all(s == FUSED for s in states):
+    # Fused also where this rank gave up waiting just as the last peer confirmed and another rank
+    # settled the group fused: every peer confirmed this very communication.
+    if all(s == FUSED for s in states) and (target == FUSED or all(g.confirmed() for g in groups)):
         return Decision(fused=True)
     if target != FAILED and all(s == DEGRADED for s in states):
         reasons = tuple((g.ranks, d) for g, (_, d) in zip(groups, modes))
