@@ -247,7 +247,8 @@ def _diverges_after_fused_graphs(rank, world):
     agreed, fused one (inside a fused collective, waiting for rank 0)."""
     model = RankLocal("stat", world, rank, 0)
     model.debugging = False
-    compiled = torch.compile(model, backend="tokenweave", options={"compiler": "aot_eager", "agreement_timeout_s": TIMEOUT_S})
+    compiled = torch.compile(model, backend="tokenweave",
+                             options={"compiler": "aot_eager", "agreement_timeout_s": TIMEOUT_S})
     with torch.no_grad():
         compiled(_tokens(0, 0))
         model.debugging = rank == 0  # a guard on this attribute fails on rank 0 only

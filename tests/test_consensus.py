@@ -207,8 +207,10 @@ def test_first_difference_names_the_differing_arguments_only():
     text = consensus.first_difference(0, [AR, FUSED_A], 1, [AR, FUSED_B])
     assert text == ("the first difference is op 2, weave::allreduce_add_rmsnorm: rank 0 residual_out_sharded=False; "
                     "rank 1 residual_out_sharded=True")
-    assert consensus.first_difference(0, [AR], 1, [AR10]).endswith("rank 0 input=float32[8, 32]; rank 1 input=float32[10, 32]")
-    assert consensus.first_difference(0, [AR], 1, [FUSED_A]) == f"the first difference is op 1, rank 0 `{AR}`, rank 1 `{FUSED_A}`"
+    shapes = consensus.first_difference(0, [AR], 1, [AR10])
+    assert shapes.endswith("rank 0 input=float32[8, 32]; rank 1 input=float32[10, 32]")
+    names = consensus.first_difference(0, [AR], 1, [FUSED_A])
+    assert names == f"the first difference is op 1, rank 0 `{AR}`, rank 1 `{FUSED_A}`"
 
 
 def test_a_rank_that_gave_up_as_the_group_settled_fused_runs_fused():
