@@ -1,10 +1,21 @@
-"""Ranks that compile different graphs stop with a message naming the cause, before any collective.
+"""Rank-local code runs under tokenweave as under plain Inductor: the ranks fall back together.
 
-Unit tests drive the store exchange with threads standing in for ranks (fast, and they reach
-the timeout path); the distributed tests make one gloo rank break its graph or recompile alone.
+On gloo ranks, a Llama-style TP stack in which rank 0 alone does what debugging code does between
+layers: stores a statistic of the residual, prints one (a graph break on rank 0 only), stores a
+statistic of the all_reduce result, counts its calls in an attribute the graph specializes on (a
+guard that fails on rank 0 only), or the last rank runs the first call eagerly (it never compiles
+that graph). Every rank must give the eager TP model's numbers, ``explain()`` and one warning per
+group must name the fallback, and no rank may issue a collective its peers do not: the runs use
+``TORCH_DISTRIBUTED_DEBUG=DETAIL``, whose process-group wrapper checks every collective's kind and
+shapes across ranks before it runs, and the ranks' collective counts are compared.
+
+The protocol itself, with threads for ranks, is in ``tests/test_consensus.py``.
 """
 
-import threading
+from __future__ import annotations
+
+import logging
+import random
 import time
 
 import pytest
@@ -12,85 +23,256 @@ import torch
 import torch.distributed as dist
 
 from weave_compile import agreement
+from weave_compile.testing.models import LlamaDims, TPLlama
 from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
 
-A = ["weave.allreduce_add_rmsnorm(x=float32[8, 32], residual_out_sharded=False)"]
-B = ["_c10d_functional.all_reduce(input=float32[8, 32], reduce_op='sum')"]
+DIMS = LlamaDims(hidden=48, heads=6, kv_heads=6, intermediate=96, vocab=96, layers=2)  # TP 2 and 3
+CALLS = 3
+TIMEOUT_S = 5.0  # agreement_timeout_s: how long the peers wait for the rank that skips
+OPTIONS = {"reference": {"compiler": "aot_eager"},
+           "split": {"compiler": "aot_eager", "split": True, "split_threshold": 4}}  # T = 2 x 8 splits
+CASES = ["stat", "print", "ar_stat", "guard", "guard_same", "skip"]
+FUSED_CASES = {"guard_same"}  # a guard fails on rank 0 only, its recompiled graph communicates the same
 
 
-def _as_ranks(ops_per_rank, timeout_s=30.0, store=None):
-    """Run ``agree`` for every rank in a thread; returns (per-rank exception or None, seconds)."""
-    store = store or dist.HashStore()
-    ranks = tuple(range(len(ops_per_rank)))
-    errors = [None] * len(ranks)
+class RankLocal(TPLlama):
+    """A TP Llama whose rank 0 alone (or, for ``skip``, whose last rank) does ``case`` after layer 0."""
 
-    def one(r):
+    def __init__(self, case: str, world: int, rank: int, seed: int):
+        super().__init__(DIMS, tp=world, rank=rank, group=dist.group.WORLD, seed=seed)
+        self.case, self.debugging, self.calls = case, rank == 0, 0
+
+    def forward(self, tokens):
+        residual = self.embed_tokens(tokens)
+        h = self.layers[0].input_norm(residual)
+        for i, layer in enumerate(self.layers):
+            m, residual = layer(h, residual)  # m: the down projection's all_reduce result
+            if i == 0 and self.debugging:
+                self._debug(m, residual)
+            residual = residual + m
+            nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
+            h = nxt(residual)
+        return h
+
+    def _debug(self, m, residual):
+        if self.case == "stat":
+            self.stat = residual.detach().abs().mean()
+        elif self.case == "print":
+            print(f"rank 0: residual max {residual.abs().max().item():.4f}")
+        elif self.case == "ar_stat":
+            self.stat = m.detach().pow(2).mean()
+        elif self.case == "guard":
+            self.calls += 1
+            self.stat = residual.detach().abs().mean() * self.calls
+        elif self.case == "guard_same":
+            self.calls += 1
+
+
+def _tokens(seed: int, i: int, length: int = 0) -> torch.Tensor:
+    """Call ``i``'s tokens: 2 x 8, or 1 x ``length`` marked dynamic (one graph for every length)."""
+    shape = (1, length) if length else (2, 8)
+    tokens = torch.randint(0, DIMS.vocab, shape, generator=torch.Generator().manual_seed(seed + i))
+    if length:
+        torch._dynamo.mark_dynamic(tokens, 1)
+    return tokens
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+class _Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _run_case(rank, world, case, options, seed, namespace, lengths=(), device="cpu"):
+    """One case on fresh compiled graphs, in its own namespace of the store (a group's decision is
+    final); ``lengths``: one dynamic token length per call instead of static 2 x 8 tokens."""
+    import weave_compile
+
+    real_store = agreement._default_store
+    store = dist.PrefixStore(namespace + "/", real_store())
+    agreement._default_store, saved_warned = (lambda: store), set(agreement._warned)
+    agreement._warned.clear()
+    warnings = _Warnings()
+    logging.getLogger("weave_compile.agreement").addHandler(warnings)
+    try:
+        model = RankLocal(case, world, rank, seed).to(device)
+        ref = TPLlama(DIMS, tp=world, rank=rank, group=dist.group.WORLD, seed=seed, device=torch.device(device))
+        torch._dynamo.reset()
+        weave_compile.reset()
+        compiled = torch.compile(model, backend="tokenweave", options={**options, "agreement_timeout_s": TIMEOUT_S})
+        pg = dist.group.WORLD
+        seq, errs, start = pg._get_sequence_number_for_group(), [], time.monotonic()
+        for i, length in enumerate(lengths or [0] * CALLS):
+            tokens = _tokens(seed, i, length).to(device)
+            with torch.no_grad():
+                want = ref(tokens)
+                eager = case == "skip" and rank == world - 1 and i == 0
+                errs.append(_rel_err(model(tokens) if eager else compiled(tokens), want))
+        report = weave_compile.explain()
+        return {"errs": errs, "fused": report.matched_count, "graphs": len(report.graphs),
+                "as_written": [g.as_written for g in report.as_written], "text": str(report),
+                "warnings": warnings.messages, "collectives": pg._get_sequence_number_for_group() - seq,
+                "seconds": time.monotonic() - start}
+    finally:
+        agreement._default_store = real_store
+        agreement._warned.clear()
+        agreement._warned.update(saved_warned)
+        logging.getLogger("weave_compile.agreement").removeHandler(warnings)
+
+
+def _cases(rank, world, seed):
+    return {(name, case): _run_case(rank, world, case, options, seed, f"{name}-{case}")
+            for name, options in OPTIONS.items() for case in CASES}
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
+def cases(request):
+    seed = random.randrange(2**31)
+    start = time.monotonic()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")  # read when the spawned ranks import torch
+        results = assert_ranks_ok(run_ranks(_cases, request.param, args=(seed,), timeout=1500))
+    print(f"{request.param} ranks, seed={seed}: {time.monotonic() - start:.0f} s")
+    return request.param, seed, results
+
+
+@pytest.mark.parametrize("options", list(OPTIONS))
+@pytest.mark.parametrize("case", CASES)
+def test_rank_local_code_runs_as_under_plain_inductor(cases, case, options):
+    world, seed, results = cases
+    runs = [r[(options, case)] for r in results]
+    group = f"process group {list(range(world))}"
+    for rank, run in enumerate(runs):
+        where = f"seed={seed} rank {rank}: {run['text']}"
+        assert len(run["errs"]) == CALLS and max(run["errs"]) < 1e-5, (run["errs"], where)
+        if case in FUSED_CASES:
+            assert run["fused"] > 0 and not run["as_written"] and not run["warnings"], where
+            continue
+        assert run["fused"] == 0 and run["as_written"], where
+        assert "runs with its collectives as written, like plain Inductor" in run["text"], where
+        for reason in run["as_written"]:
+            assert reason.startswith(group + ": "), reason
+            if case == "skip":
+                assert f"rank(s) [{world - 1}] did not reach a graph with the same communication" in reason, reason
+            else:
+                assert "compiled different graphs" in reason and ("first difference is op" in reason
+                                                                  or "op(s) are the same" in reason), reason
+        assert len(run["warnings"]) == 1 and group in run["warnings"][0], run["warnings"]
+    if case in ("guard", "guard_same"):
+        assert runs[0]["graphs"] > runs[1]["graphs"], [r["graphs"] for r in runs]  # rank 0 recompiled
+    # Each collective was checked across ranks by the DETAIL wrapper; the counts must agree too.
+    counts = [r["collectives"] for r in runs]
+    assert counts[0] > 0 and len(set(counts)) == 1, counts
+
+
+def _unchecked(rank, world):
+    """The stored-statistic case with the ranks' decision taken out: each runs what it compiled."""
+    import weave_compile.backend as backend
+
+    backend.agreement.check_at_first_call = lambda compiled, *args, **kwargs: compiled
+    model = torch.compile(RankLocal("stat", world, rank, 0), backend="tokenweave", options={"compiler": "aot_eager"})
+    with torch.no_grad():
+        model(_tokens(0, 0))
+    return "finished"
+
+
+def test_without_the_decision_the_ranks_issue_mismatched_collectives():
+    """What the tests above guard against is real: the same case unchecked fails in a collective.
+
+    Without the DETAIL wrapper, whose barrier would wait out the process group's timeout for the
+    rank that gloo aborts; gloo's own size check stops both ranks in seconds."""
+    results = run_ranks(_unchecked, 2, timeout=200)
+    assert not all(r.ok for r in results), results
+    for r in results:  # each failure is the collective's (gloo's, or its peer exiting), none a hang
+        assert r.ok or "gloo" in r.error or "exited with code" in r.error, r.error
+        assert not r.timed_out, r
+
+
+# ----------------------------------------------------------------------------- with Inductor
+
+
+def _with_inductor(rank, world, seed):
+    """With Inductor, the rank-0 print and the stored statistic with dynamic token lengths: each graph
+    compiled with the passes, then, on demand, without them."""
+    import torch._inductor.compile_fx as compile_fx_mod
+
+    compiles, depth = [], [0]
+    original = compile_fx_mod.compile_fx
+
+    def counting(gm, example_inputs, *args, **kwargs):
+        if depth[0] == 0:  # compile_fx calls itself once it applied its config patches
+            patches = kwargs.get("config_patches") or {}
+            compiles.append("passes" if "post_grad_custom_post_pass" in patches else "as written")
+        depth[0] += 1
         try:
-            agreement.agree(store, ranks, r, ops_per_rank[r], timeout_s)
-        except Exception as e:  # noqa: BLE001 - collected for the assertions
-            errors[r] = e
+            return original(gm, example_inputs, *args, **kwargs)
+        finally:
+            depth[0] -= 1
 
-    start = time.monotonic()
-    threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s + 10)
-    assert not any(t.is_alive() for t in threads), "agree() did not return"
-    return errors, time.monotonic() - start
-
-
-def test_same_graphs_agree():
-    errors, _ = _as_ranks([A, A, A])
-    assert errors == [None, None, None]
+    compile_fx_mod.compile_fx = counting
+    out = {}
+    try:
+        for case, lengths in (("print", ()), ("stat", (5, 9, 13))):
+            compiles.clear()
+            run = _run_case(rank, world, case, {"compiler": "inductor"}, seed, f"inductor-{case}", lengths)
+            out[case] = run, list(compiles)
+    finally:
+        compile_fx_mod.compile_fx = original
+    return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_different_graphs_fail_on_every_rank_without_waiting_for_the_timeout(world):
-    ops = [A] * world
-    ops[world - 1] = B  # the last rank compiled a different graph
-    errors, seconds = _as_ranks(ops, timeout_s=60.0)
-    assert seconds < 10, seconds
-    for e in errors:
-        assert isinstance(e, agreement.RankDisagreement), errors
-        assert "compiled different graphs" in str(e) and "fuse': False" in str(e)
-    # The first rank to see it names both sides.
-    assert any("weave.allreduce_add_rmsnorm" in str(e) and "_c10d_functional.all_reduce" in str(e) for e in errors)
+def test_inductor_compiles_the_graphs_as_written_on_demand():
+    seed = random.randrange(2**31)
+    for rank, out in enumerate(assert_ranks_ok(run_ranks(_with_inductor, 2, args=(seed,), timeout=900))):
+        for case, (run, compiles) in out.items():
+            assert max(run["errs"]) < 1e-5, (seed, rank, case, run["errs"])
+            assert run["as_written"] and run["fused"] == 0, run["text"]
+            # Every graph with collectives was compiled a second time without the passes, once.
+            assert compiles.count("as written") == len(run["as_written"]) >= 1, (compiles, run["text"])
+            assert compiles.count("passes") == run["graphs"], (compiles, run["text"])
+        assert out["stat"][0]["graphs"] == 1  # one graph for every token length, as written too
 
 
-def test_an_identical_graph_compiled_again_on_one_rank_agrees_at_once():
-    """A rank-local guard failure recompiles the same graph on one rank: the peer's digest is already there."""
-    store = dist.HashStore()
-    assert _as_ranks([A, A], store=store)[0] == [None, None]
-    start = time.monotonic()
-    agreement.agree(store, (0, 1), 0, A, timeout_s=30.0)  # rank 0 alone, again
-    assert time.monotonic() - start < 1.0
+# ----------------------------------------------------------------------------- what still raises
 
 
-def test_a_peer_that_never_checks_is_a_bounded_wait_with_a_message():
-    start = time.monotonic()
-    with pytest.raises(agreement.RankDisagreement, match=r"rank\(s\) \[1\] .* did not compile .* within 1 s"):
-        agreement.agree(dist.HashStore(), (0, 1), 0, A, timeout_s=1.0)
-    assert time.monotonic() - start < 5
+def _diverges_after_fused_graphs(rank, world):
+    """Rank 0 turns its debugging on at the second call: a new graph there, while rank 1 runs the
+    agreed, fused one (inside a fused collective, waiting for rank 0)."""
+    model = RankLocal("stat", world, rank, 0)
+    model.debugging = False
+    compiled = torch.compile(model, backend="tokenweave",
+                             options={"compiler": "aot_eager", "agreement_timeout_s": TIMEOUT_S})
+    with torch.no_grad():
+        compiled(_tokens(0, 0))
+        model.debugging = rank == 0  # a guard on this attribute fails on rank 0 only
+        start = time.monotonic()
+        try:
+            compiled(_tokens(0, 1))
+        except agreement.RankDisagreement as e:
+            return str(e), time.monotonic() - start
+    return None, time.monotonic() - start
 
 
-def test_a_disagreement_is_final_for_the_group_and_only_for_it():
-    store = dist.HashStore()
-    assert all(isinstance(e, agreement.RankDisagreement) for e in _as_ranks([A, B], store=store)[0])
-    errors, seconds = _as_ranks([A, A], store=store)  # the same ranks retry with agreeing graphs
-    assert all(isinstance(e, agreement.RankDisagreement) and "first report" in str(e) for e in errors), errors
-    assert seconds < 5
-    errors, _ = _as_ranks([A, A, A], store=store)  # another group (ranks 0, 1, 2): unaffected
-    assert errors == [None, None, None]
+def test_a_divergence_after_fused_graphs_raises_within_the_timeout():
+    results = run_ranks(_diverges_after_fused_graphs, 2, timeout=300)
+    assert results[0].ok, results[0].error
+    message, seconds = results[0].value
+    assert message is not None and "already ran fused collectives" in message, message
+    assert "rank(s) [1] did not reach" in message and "fuse': False" in message, message
+    assert TIMEOUT_S <= seconds < TIMEOUT_S + 60, seconds  # the recompile included
+    # Rank 1 was inside a fused collective: it fails when rank 0 leaves, it does not hang.
+    assert not results[1].ok and not results[1].timed_out, results[1]
 
 
-def test_plan_names_group_by_ranks_and_describes_arguments():
-    ops = agreement.merge([{(0, 1): ["a"]}, {(0, 1): ["b"], (0, 2): ["c"]}])
-    assert ops == {(0, 1): ["a", "b"], (0, 2): ["c"]}
-    assert agreement.digest(["a", "b"]) != agreement.digest(["b", "a"])
-
-
-# ----------------------------------------------------------------------------- on gloo ranks
+# ----------------------------------------------------------------------------- the chain of sites
 
 
 def _diverging(rank, world_size, diverge, seed):
@@ -99,51 +281,44 @@ def _diverging(rank, world_size, diverge, seed):
 
     m = SiteChain(32, [None, None, None], seed=seed, diverge_on_rank=0, diverge=diverge)
     g = torch.Generator().manual_seed(seed)
-    out = {}
-    for options in ({"compiler": "aot_eager"}, {"compiler": "aot_eager", "fuse": False}):
-        torch._dynamo.reset()
-        weave_compile.reset()
-        compiled = torch.compile(m, backend="tokenweave", options=options)
-        errs, error, start = [], None, time.monotonic()
-        try:
-            for _ in range(3):
-                x, r = torch.randn(9, 32, generator=g), torch.randn(9, 32, generator=g)
-                with torch.no_grad():
-                    got = compiled(x, r)
-                ref = eager_float64(m, x, r)
-                errs.append(((got.double() - ref).norm() / ref.norm()).item())
-        except agreement.RankDisagreement as e:
-            error = str(e)
-        out[options.get("fuse", True)] = (errs, error, time.monotonic() - start,
-                                          len(weave_compile.explain().graphs))
-    return out
+    torch._dynamo.reset()
+    weave_compile.reset()
+    compiled = torch.compile(m, backend="tokenweave", options={"compiler": "aot_eager"})
+    errs = []
+    for _ in range(3):
+        x, r = torch.randn(9, 32, generator=g), torch.randn(9, 32, generator=g)
+        with torch.no_grad():
+            got = compiled(x, r)
+        ref = eager_float64(m, x, r)
+        errs.append(((got.double() - ref).norm() / ref.norm()).item())
+    report = weave_compile.explain()
+    return errs, len(report.graphs), report.matched_count, [g.as_written for g in report.as_written]
 
 
 @pytest.fixture(scope="module")
 def diverged():
-    import random
-
     seed = random.randrange(2**31)
-    # One run each: a disagreement is final for the group, a later check over the same ranks fails.
     return seed, {d: assert_ranks_ok(run_ranks(_diverging, 2, args=(d, seed), timeout=300)) for d in ("break", "count")}
 
 
-def test_graph_break_on_one_rank_stops_every_rank_before_a_collective(diverged):
+def test_graph_break_on_one_rank_runs_every_rank_as_written(diverged):
     seed, results = diverged
-    for rank, r in enumerate(results["break"]):
-        errs, error, seconds, _ = r[True]
-        assert error is not None, f"seed={seed} rank {rank}: no disagreement reported; errors {errs}"
-        assert "compiled different graphs" in error and "torch.compiler.disable" in error, error
-        assert "residual_out_sharded=True" in error  # rank 1's side (one graph, residual sharded) is named
-        assert seconds < 60, seconds
-        errs, error, _, _ = r[False]  # without the rewrite the collectives are as written: correct
-        assert error is None and max(errs) < 1e-5, (seed, error, errs)
+    for rank, (errs, _, fused, as_written) in enumerate(results["break"]):
+        assert max(errs) < 1e-5, (seed, rank, errs)
+        assert fused == 0 and as_written, (seed, rank, as_written)
+        # Rank 1's side (one graph, residual sharded into the next site) is named.
+        assert all("residual_out_sharded=True" in reason for reason in as_written), as_written
 
 
 def test_identical_recompile_on_one_rank_is_accepted_and_correct(diverged):
     seed, results = diverged
     results = results["count"]
-    for r in results:
-        errs, error, _, _ = r[True]
-        assert error is None and len(errs) == 3 and max(errs) < 1e-5, (seed, error, errs)
-    assert results[0][True][3] > results[1][True][3]  # rank 0 did compile more graphs
+    for errs, _, fused, as_written in results:
+        assert len(errs) == 3 and max(errs) < 1e-5 and fused > 0 and not as_written, (seed, errs, as_written)
+    assert results[0][1] > results[1][1]  # rank 0 did compile more graphs
+
+
+def test_plan_names_group_by_ranks_and_describes_arguments():
+    ops = agreement.merge([{(0, 1): ["a"]}, {(0, 1): ["b"], (0, 2): ["c"]}])
+    assert ops == {(0, 1): ["a", "b"], (0, 2): ["c"]}
+    assert agreement.digest(["a", "b"]) != agreement.digest(["b", "a"])

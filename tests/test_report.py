@@ -84,3 +84,18 @@ def test_explain_is_a_snapshot_and_reset_clears():
     assert len(snap.graphs) == 1 and len(report.explain().graphs) == 2
     report.reset()
     assert report.explain().graphs == [] and str(report.explain()).startswith("tokenweave: 0 graph(s)")
+
+
+def test_a_graph_run_as_written_says_why_and_counts_no_fused_site():
+    g = _graph()
+    other = report.new_graph("aot_eager")
+    report.mark_as_written([g], "process group [0, 1]: its ranks compiled different graphs")
+    rep = report.explain()
+    assert rep.as_written == [g] and other.as_written == ""
+    assert g.matched_count == 0 and rep.matched_count == 0 and len(rep.sites) == 2  # the sites stay listed
+    lines = str(rep).splitlines()
+    assert lines[0] == "tokenweave: 2 graph(s), 2 all_reduce site(s), 0 fused"
+    assert lines[2] == ("  runs with its collectives as written, like plain Inductor: process group [0, 1]: "
+                        "its ranks compiled different graphs")
+    assert lines[5].split()[:5] == ["all_reduce", "0", "no", "(as", "written)"]
+    assert lines[6].split()[:3] == ["all_reduce_1", "0", "no"]

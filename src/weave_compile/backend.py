@@ -8,7 +8,10 @@ compute. Without an initialized process group it is exactly the default Inductor
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import tempfile
 from typing import Any, Optional
 
 import torch
@@ -41,14 +44,40 @@ def tokenweave_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
         report_mod.new_graph(config.compiler, note="no process group initialized: passes not run")
         log.info("tokenweave: no process group; compiling with plain %s", config.compiler)
         return _compile(gm, example_inputs, config, None, inductor_patches)
-    return _compile(gm, example_inputs, config, WeavePassManager(config, config.compiler), inductor_patches)
+    passes = WeavePassManager(config, config.compiler)
+    as_written = _as_written(gm, example_inputs, config, inductor_patches)
+    with agreement.compiling():
+        compiled = _compile(gm, example_inputs, config, passes, inductor_patches)
+    reports = passes.graph_reports
+    return agreement.check_at_first_call(
+        compiled, passes.comm_plans, written=passes.written_plans, timeout_s=config.agreement_timeout_s,
+        as_written=as_written, on_degraded=lambda reason: report_mod.mark_as_written(reports, reason),
+        what=f"graph {reports[0].graph_id}" if reports else "the graph")
+
+
+def _as_written(gm, example_inputs, config: TokenWeaveConfig, inductor_patches: dict[str, Any]):
+    """Compiles the Dynamo graph without the passes when first called: what runs when the ranks of a
+    group disagree. Inside the original compile's tracing context (as Dynamo recompiles a graph for
+    a shape specialization at run time), so fake inputs and symbolic shapes are the first compile's;
+    compile_fx only normalizes ``gm`` in place, so it still holds the collectives as written."""
+    import contextlib
+
+    context = torch._guards.TracingContext.try_get()
+    inputs = list(example_inputs)
+
+    def compile_now():
+        with agreement.compiling(), (torch._guards.tracing(context) if context is not None
+                                     else contextlib.nullcontext()):
+            return _compile(gm, inputs, config, None, inductor_patches)
+
+    return compile_now
 
 
 def _compile(gm, example_inputs, config: TokenWeaveConfig, passes: Optional[WeavePassManager],
              inductor_patches: dict[str, Any]):
+    """``gm`` compiled by the configured compiler, with ``passes`` (None: none, plain Inductor)."""
     if config.compiler == "aot_eager":
-        compiled = _aot_eager(gm, example_inputs, passes)
-        return compiled if passes is None else agreement.check_at_first_call(compiled, passes.comm_plans)
+        return _aot_eager(gm, example_inputs, passes)
     from torch._dynamo.utils import counters
     from torch._inductor.compile_fx import compile_fx
 
@@ -59,20 +88,19 @@ def _compile(gm, example_inputs, config: TokenWeaveConfig, passes: Optional[Weav
     compiled = compile_fx(gm, example_inputs,
                           config_patches={**inductor_patches, "post_grad_custom_post_pass": passes})
     if passes.graph_reports:
-        _store_reports(key, passes.graph_reports)
-        agreement.store_plans(_reports_dir, key, passes.comm_plans)
+        _store_reports(key, passes.graph_reports, passes.comm_plans, passes.written_plans)
     elif counters["inductor"]["fxgraph_cache_hit"] > hits:
         # The passes did not run: show what they did when this graph was compiled.
-        stored = _load_reports(key)
+        stored, passes.comm_plans, passes.written_plans = _load_reports(key)
         for payload in stored or []:
-            report_mod.graph_from_json("inductor", "served from Inductor's FX graph cache; sites as "
-                                       "recorded when it was compiled", payload)
+            passes.graph_reports.append(report_mod.graph_from_json(
+                "inductor", "served from Inductor's FX graph cache; sites as recorded when it was compiled",
+                payload))
         if not stored:
-            report_mod.new_graph("inductor", note=(
+            passes.graph_reports.append(report_mod.new_graph("inductor", note=(
                 "served from Inductor's FX graph cache: the passes ran when it was first compiled and "
-                "no site list was recorded; set TORCHINDUCTOR_FX_GRAPH_CACHE=0 to see it"))
-        passes.comm_plans = agreement.load_plans(_reports_dir, key)
-    return agreement.check_at_first_call(compiled, passes.comm_plans)
+                "no site list was recorded; set TORCHINDUCTOR_FX_GRAPH_CACHE=0 to see it")))
+    return compiled
 
 
 def _report_key(gm, example_inputs, passes: WeavePassManager) -> str:
@@ -88,8 +116,6 @@ def _report_key(gm, example_inputs, passes: WeavePassManager) -> str:
 
 
 def _reports_dir() -> str:
-    import os
-
     try:
         from torch._inductor.runtime.cache_dir_utils import cache_dir
     except ImportError:  # older layouts
@@ -99,29 +125,38 @@ def _reports_dir() -> str:
     return path
 
 
-def _store_reports(key: str, graphs) -> None:
-    import os
-    import tempfile
-
-    try:
-        directory = _reports_dir()
-        fd, tmp = tempfile.mkstemp(dir=directory)
-        with os.fdopen(fd, "w") as f:
-            f.write(report_mod.dumps(graphs))
-        os.replace(tmp, os.path.join(directory, key + ".json"))
-    except OSError as e:  # a report we cannot keep must not fail the compile
-        log.warning("tokenweave: could not record the explain report for the FX graph cache: %s", e)
+def _store_reports(key: str, graphs, plans, written) -> None:
+    """Keep the site reports and the communication plans beside Inductor's cache: a graph it serves
+    from there skips the passes."""
+    plans_json = {name: [[[list(r), ops] for r, ops in p.items()] for p in ps]
+                  for name, ps in (("fused", plans), ("written", written))}
+    for suffix, text in ((".json", report_mod.dumps(graphs)), (".comm.json", json.dumps(plans_json))):
+        try:
+            fd, tmp = tempfile.mkstemp(dir=_reports_dir())
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, os.path.join(_reports_dir(), key + suffix))
+        except OSError as e:  # a record we cannot keep must not fail the compile
+            log.warning("tokenweave: could not record the graph's explain report for the FX graph cache: %s", e)
 
 
 def _load_reports(key: str):
-    import json
-    import os
+    """(site reports or None, fused plans, as-written plans) recorded by :func:`_store_reports`."""
+    def read(suffix):
+        try:
+            with open(os.path.join(_reports_dir(), key + suffix)) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
 
+    reports, plans = read(".json"), read(".comm.json")
     try:
-        with open(os.path.join(_reports_dir(), key + ".json")) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
+        fused, written = ([{tuple(r): ops for r, ops in p} for p in plans[name]] for name in ("fused", "written"))
+    except (TypeError, KeyError, ValueError):
+        log.warning("tokenweave: a graph served from Inductor's FX graph cache has no recorded "
+                    "communication: the ranks' first-call agreement check is skipped for it")
+        fused, written = [], []
+    return reports, fused, written
 
 
 def _aot_eager(gm, example_inputs, passes: Optional[WeavePassManager]):

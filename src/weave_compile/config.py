@@ -63,6 +63,12 @@ class TokenWeaveConfig:
     #: What compiles the rewritten graph: ``inductor`` (the product) or ``aot_eager``
     #: (runs the rewritten ATen graph op by op; for debugging and fast tests).
     compiler: Compiler = "inductor"
+    #: Seconds a rank waits, at a compiled graph's first call, for the peers of its process groups
+    #: to reach a graph with the same communication (not counting time they spend compiling).
+    #: A peer that never arrives runs that code eagerly or skipped it: the group then runs its
+    #: collectives as written, or stops with ``RankDisagreement`` if it already ran fused graphs.
+    #: Keep it below the process group's timeout, which bounds the waiting peer's collective.
+    agreement_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         hints = get_type_hints(type(self))
@@ -80,6 +86,9 @@ class TokenWeaveConfig:
         for name in ("split_at", "num_sms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"tokenweave option {name!r} must be >= 0, got {getattr(self, name)}")
+        if not 0 < self.agreement_timeout_s < float("inf"):
+            raise ValueError(f"tokenweave option 'agreement_timeout_s' must be a positive number of seconds, "
+                             f"got {self.agreement_timeout_s}")
 
     @classmethod
     def valid_keys(cls) -> list[str]:
@@ -124,5 +133,7 @@ def _check_type(name: str, value: Any, hint: Any) -> None:
     # bool is a subclass of int: an int option given True is a mistake, not a 1.
     if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise TypeError(f"tokenweave option {name!r} must be int, got {type(value).__name__} {value!r}")
+    if hint is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise TypeError(f"tokenweave option {name!r} must be float, got {type(value).__name__} {value!r}")
     if hint is bool and not isinstance(value, bool):
         raise TypeError(f"tokenweave option {name!r} must be bool, got {type(value).__name__} {value!r}")

@@ -4,7 +4,9 @@ Every all_reduce site the passes look at gets a :class:`SiteReport`: fused or no
 kernel chosen and why, whether its residual stays sharded, whether it is split. The split pass's
 summary of a graph is a :class:`SplitSummary`. A :class:`GraphReport` groups one compiled graph's
 sites. The passes return these as plain values; the pass manager assembles them (no pass keeps a
-report object in the graph). Reports accumulate in this process until :func:`reset`.
+report object in the graph). A graph whose ranks disagreed runs with its collectives as written
+(:mod:`weave_compile.agreement`): its report keeps what the passes found and says why it does not
+run them. Reports accumulate in this process until :func:`reset`.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ class SiteReport:
     split: str = "not split"
     output: str = "-"  # "ring slot k" (left where the peers pushed it) | "copied (why)"
 
-    def row(self) -> list[str]:
-        return [self.node, self.group, "yes" if self.fused else "no", self.reason,
+    def row(self, as_written: bool = False) -> list[str]:
+        fused = ("no (as written)" if as_written else "yes") if self.fused else "no"
+        return [self.node, self.group, fused, self.reason,
                 f"{self.kernel} ({self.kernel_reason})" if self.kernel_reason else self.kernel,
                 self.residual, self.split, self.output]
 
@@ -65,10 +68,13 @@ class GraphReport:
     op_counts: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
     #: the split pass's summary, None if it did not run
     split: Optional[SplitSummary] = None
+    #: why the graph runs with its collectives as written (the ranks disagreed), "" if rewritten
+    as_written: str = ""
 
     @property
     def matched_count(self) -> int:
-        return sum(s.fused for s in self.sites)
+        """Sites that run fused."""
+        return 0 if self.as_written else sum(s.fused for s in self.sites)
 
 
 @dataclasses.dataclass
@@ -83,6 +89,11 @@ class WeaveReport:
     def matched_count(self) -> int:
         return sum(g.matched_count for g in self.graphs)
 
+    @property
+    def as_written(self) -> list[GraphReport]:
+        """Graphs that run with their collectives as written because their ranks disagreed."""
+        return [g for g in self.graphs if g.as_written]
+
     def __str__(self) -> str:
         header = ["site", "group", "fused", "form / reason", "kernel", "residual", "split", "output"]
         lines = [f"tokenweave: {len(self.graphs)} graph(s), {len(self.sites)} all_reduce site(s), "
@@ -91,9 +102,11 @@ class WeaveReport:
             counts = ", ".join(f"{k} {a}->{b}" for k, (a, b) in g.op_counts.items())
             lines.append(f"graph {g.graph_id} [{g.compiler}]" + (f": {g.note}" if g.note else "")
                          + (f" ({counts})" if counts else ""))
+            if g.as_written:
+                lines.append(f"  runs with its collectives as written, like plain Inductor: {g.as_written}")
             if g.split is not None:
                 lines.append("  " + g.split.describe())
-            rows = [header] + [s.row() for s in g.sites]
+            rows = [header] + [s.row(bool(g.as_written)) for s in g.sites]
             if len(rows) == 1:
                 continue
             widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -130,6 +143,13 @@ def new_graph(compiler: str, note: str = "") -> GraphReport:
         g = GraphReport(graph_id=len(_report.graphs), compiler=compiler, note=note)
         _report.graphs.append(g)
         return g
+
+
+def mark_as_written(graphs: list[GraphReport], reason: str) -> None:
+    """These graphs (one Dynamo graph's) run with their collectives as written, because ``reason``."""
+    with _lock:
+        for g in graphs:
+            g.as_written = reason
 
 
 def explain() -> WeaveReport:

@@ -56,8 +56,10 @@ class WeavePassManager(CustomGraphPass):
         self.config = config
         self.compiler = compiler
         self.graph_reports: list[report_mod.GraphReport] = []
-        #: per post-grad graph, its communication per group, for the ranks' first-call check
+        #: per post-grad graph, its communication per group after and before the passes, for the
+        #: ranks' first-call check
         self.comm_plans: list[dict] = []
+        self.written_plans: list[dict] = []
         self.merge = MergeAllReducesPass()
         self.fuse = FuseAllReduceRMSNormPass(config)
         self.split = SplitTokensPass(config)
@@ -84,6 +86,8 @@ class WeavePassManager(CustomGraphPass):
         report = report_mod.new_graph(self.compiler)
         self.graph_reports.append(report)
         before = _count_ops(graph)
+        # Only a rewriting run can make ranks' collectives differ; fuse=False is plain Inductor.
+        written = agreement.plan(graph) if self.config.fuse else {}
         if self.config.fuse:
             merges = self.merge(graph)
             sites = annotate_merged(self.fuse(graph), merges)
@@ -93,8 +97,8 @@ class WeavePassManager(CustomGraphPass):
         residual = self.shard(graph) if self.config.shard_residual else {}
         output = self.output(graph, *self._output_allowed())
         graph.lint()
-        # Only a rewriting run can make ranks' collectives differ; fuse=False is plain Inductor.
         self.comm_plans.append(agreement.plan(graph) if self.config.fuse else {})
+        self.written_plans.append(written)
         after = _count_ops(graph)
         report.sites = [dataclasses.replace(s, residual=residual.get(s.node, s.residual),
                                             split=SPLIT_SITE if s.node in split.sites else s.split,
