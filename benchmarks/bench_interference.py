@@ -440,9 +440,16 @@ def main() -> None:
     ap.add_argument("--gemm-ms", type=float, default=3.0, help="length of one GEMM graph replay")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--csv-name", default="interference.csv")
+    ap.add_argument("--plot-only", metavar="CSV", help="redraw the PNG of a written CSV, measure nothing")
     ap.add_argument("--precompile", type=int, default=0, help="processes that compile the push kernel's "
                     "variants before timing (0: compile when first launched)")
     args = ap.parse_args()
+    if args.plot_only:
+        import csv
+
+        with open(args.plot_only) as f:
+            plot(list(csv.DictReader(f)), os.path.splitext(args.plot_only)[0] + ".png")
+        return
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     ctas = [int(c) for c in args.ctas.split(",")]
@@ -486,28 +493,37 @@ def main() -> None:
         print("plot skipped:", e)
 
 
+#: What the plot shows: each design at its fewest and most CTAs, and the stand-ins that tell the
+#: reasons apart (the CSV has every point).
+PLOTTED = ("p2p@2", "p2p@32", "ce@2", "ce@32", "p2p_barriers@8", "standin:train5us@1@1",
+           "standin:train100us@16@16", "standin:train1000us@16@16", "standin:spin@16@16", "standin:copy@0")
+
+
 def plot(rows: list[dict], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(r["dims"], r["tp"]) for r in rows})
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    panels = sorted({(r["dims"], int(r["tp"])) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4), squeeze=False, sharey=True)
     for ax, (dims, tp) in zip(axes[0], panels):
-        sel = [r for r in rows if (r["dims"], r["tp"]) == (dims, tp)]
-        for label in dict.fromkeys(f"{r['design']}@{r['ctas']}" for r in sel):
-            pts = sorted((r["rows"], r["slowdown"]) for r in sel if f"{r['design']}@{r['ctas']}" == label)
-            style = "--" if label.startswith("standin") else "-"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", markersize=3, label=label)
+        sel = [r for r in rows if (r["dims"], int(r["tp"])) == (dims, tp)]
+        for label in PLOTTED:
+            pts = sorted((int(r["rows"]), float(r["slowdown"])) for r in sel
+                         if f"{r['design']}@{r['ctas']}" == label)
+            if pts:
+                style = "--" if label.startswith("standin") else "-"
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", markersize=3, label=label)
         ax.axhline(1.03, color="k", lw=0.8, ls=":")
         ax.set_xscale("log", base=2)
         ax.set_title(f"Llama-{dims} dims, TP={tp} shard GEMMs", fontsize=9)
         ax.set_xlabel("rows of the other half")
-        ax.set_ylabel("GEMM time beside / alone")
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=6, ncol=2)
-    fig.suptitle(f"{rows[0]['gpu']}: what a design beside them costs the GEMMs (dotted: 1.03 target)", fontsize=9)
+    axes[0][0].set_ylabel("GEMM time beside / alone")
+    axes[0][-1].legend(fontsize=6)
+    fig.suptitle(f"{rows[0]['gpu']}, 2 ranks emulated on one GPU: what a design beside them costs the GEMMs "
+                 "(dotted: 1.03)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print("wrote", path)
