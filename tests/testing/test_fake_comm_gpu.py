@@ -234,6 +234,25 @@ def test_rehearse_paced_keeps_rank0s_rows_and_takes_the_links_time(pacer_cal, se
     assert per_call <= 3 * link_us + 200, (per_call, link_us, cal.describe())
 
 
+def test_rehearse_launches_no_kernel_but_rank0s_addnorm(pacer_cal, seed):
+    """What holds SMs in one rehearsed call (profiled): rank 0's add+norm kernel only; the copies
+    and Paces are memcpy activities (copy engines), the flags stream memory operations."""
+    pacer, cal = pacer_cal
+    T, H = 4096, 4096
+    fc = FakeComm("rehearse", 2, Rehearsal(), cal, pacer, None)
+    xs, res0, weight, bias = _inputs(seed, T, H, True)
+    run = lambda: fc.run(Rows(xs[0], res0, bias, weight), _spec(True))  # noqa: E731
+    run()
+    _sync()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run()
+        _sync()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [n for n in names if not n.lower().startswith(("memcpy", "memset"))]
+    assert len(kernels) == 1 and "add_rmsnorm_rows" in kernels[0], kernels
+    assert sum(n.lower().startswith("memcpy") for n in names) >= 5, names  # push, pull, own pull, Paces
+
+
 # ----------------------------------------------------------------------------- a compiled model
 
 
