@@ -257,6 +257,18 @@ def test_rehearse_without_cuda_needs_a_calibration():
     assert fake_comm.active() is None
 
 
+def test_other_designs_refuse_fake_groups_while_installed(group):
+    """No symmetric-memory probe on a fake group: it would try a rendezvous the group cannot do."""
+    site = Site(device=torch.device("cuda", 0), dtype=BF16, residual_dtype=BF16, out_dtype=BF16, hidden=4096,
+                group_name=group, world_size=2)
+    before = {e.name: e for e in registry.implementations()}
+    with fake_comm.installed("local"):
+        for name in ("p2p", "multimem", "oneshot", "nccl"):
+            assert registry.get(name).check(site) == fake_comm.NOT_EMULATED
+        assert registry.get("reference") is before["reference"]
+    assert all(registry.get(n) is e for n, e in before.items())
+
+
 def test_entry_check_wants_a_fake_group_of_its_world_size(group, monkeypatch):
     site = Site(device=torch.device("cuda", 0), dtype=BF16, residual_dtype=BF16, out_dtype=BF16, hidden=4096,
                 group_name=group, world_size=2)

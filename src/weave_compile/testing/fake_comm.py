@@ -4,8 +4,9 @@ One-GPU benchmarks run rank 0 of a fake process group (``dist.init_process_group
 store=FakeStore(), rank=0, world_size=N)``): the process compiles rank 0's shard of a TP model and
 collectives move nothing. ``ce``'s own setup (a symmetric-memory rendezvous) cannot run there.
 :func:`install` puts in place of the registry entry ``ce`` (:mod:`weave_compile.kernels.ce`) one
-that runs on such a group, in one of two modes; everything else of the fused op (its dispatch, the
-split's streams, CUDA graphs) stays the product's.
+that runs on such a group, in one of two modes, and makes every other design but the fallback
+refuse fake groups (their symmetric-memory probe would try a rendezvous there); everything else of
+the fused op (its dispatch, the split's streams, CUDA graphs) stays the product's.
 
 ``local`` -- the product's own cost, communication free
     Rank 0's ``ce`` program (``copy_engine.build_program``) without its cross-rank ops (the push to
@@ -263,6 +264,7 @@ class FakeComm:
         self.retired: list[_Slot] = []  # a captured graph may point at them: kept alive
         self.calls = 0  # run() calls that enqueued work (eager, warm-up and capture; replays are not calls)
         self.original: Optional[Implementation] = None
+        self.others: list[Implementation] = []  # the other entries as they were before install
 
     def describe(self) -> str:
         if self.mode == LOCAL:
@@ -402,6 +404,16 @@ class FakeComm:
 
 
 _active: Optional[FakeComm] = None
+NOT_EMULATED = "not emulated on the fake process group (testing.fake_comm emulates ce only)"
+
+
+def _not_on_fake_groups(impl: Implementation) -> Implementation:
+    """``impl`` whose check refuses fake groups before anything else: the symmetric-memory designs'
+    probe would try a rendezvous the fake group cannot do (its store has no keys)."""
+    def check(site: Site) -> Optional[str]:
+        return NOT_EMULATED if _backend(site.group_name) == "fake" else impl.check(site)
+
+    return dataclasses.replace(impl, check=check)
 
 
 def install(mode: str, *, world_size: int = 2, device=None, calibration: Optional[Calibration] = None,
@@ -435,16 +447,19 @@ def install(mode: str, *, world_size: int = 2, device=None, calibration: Optiona
         raise RuntimeError("fake_comm rehearse: no CUDA device to calibrate the pacing on; pass calibration=")
     fc = FakeComm(mode, world_size, rehearsal, calibration, pacer, peer_rows)
     fc.original = registry.replace(fc.entry(registry.get("ce")))
+    fc.others = [registry.replace(_not_on_fake_groups(e)) for e in registry.implementations()
+                 if e.name != "ce" and not e.fallback]
     _active = fc
     log.info("installed %s", fc.describe())
     return fc
 
 
 def uninstall() -> None:
-    """Put the original ``ce`` entry back (no-op when nothing is installed)."""
+    """Put the original entries back (no-op when nothing is installed)."""
     global _active
     if _active is not None:
-        registry.replace(_active.original)
+        for impl in [_active.original, *_active.others]:
+            registry.replace(impl)
         _active = None
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import statistics
 from typing import Optional
 
@@ -105,7 +106,7 @@ class Calibration:
         line = self.line(direction)
         if us <= line.latency_us / 2:
             return None
-        nbytes = max(_MIN_BYTES, -(-int(line.bytes_for(us)) // _ALIGN) * _ALIGN)
+        nbytes = max(_MIN_BYTES, math.ceil(line.bytes_for(us) / _ALIGN) * _ALIGN)
         return Pace(direction, nbytes, us, what)
 
     def transfer(self, nbytes: int, link_gbps: float, direction: str, link_latency_us: float = 0.0,
