@@ -179,20 +179,24 @@ def rehearse_program(ws: ce.CeWorkspace, prog: list, model: Rehearsal, cal: Cali
     device-to-host direction, peer -> rank 0 on host-to-device); for the peer (``peer``) also its
     skew first and, unless ``model.peer_norm == "kernel"``, its add+norm replaced by a Pace."""
     out: list = []
+
+    def pace(p: Optional[Pace]) -> None:
+        if p is not None:  # None: shorter than half the PCIe latency, closer to nothing
+            out.append(p)
+
     if peer and model.peer_skew_us > 0:
-        out += [p for p in [cal.delay(model.peer_skew_us, H2D, "peer skew")] if p]
+        pace(cal.delay(model.peer_skew_us, H2D, "peer skew"))
     for op in prog:
         if isinstance(op, ce.Norm) and peer and model.peer_norm == "delay":
-            out += [p for p in [cal.delay(norm_us(op.kwargs, model), H2D, "peer add+norm")] if p]
+            pace(cal.delay(norm_us(op.kwargs, model), H2D, "peer add+norm"))
             continue
         out.append(op)
         if isinstance(op, ce.Copy):
             src, dst = copy_ranks(ws, op)
             if src != dst:
                 nbytes = op.src.numel() * op.src.element_size()
-                p = cal.transfer(nbytes, model.link_gbps, D2H if src == 0 else H2D, model.link_latency_us,
-                                 f"rank {src} -> {dst}: {nbytes} B")
-                out += [p] if p else []
+                pace(cal.transfer(nbytes, model.link_gbps, D2H if src == 0 else H2D, model.link_latency_us,
+                                  f"rank {src} -> {dst}: {nbytes} B"))
     return out
 
 
