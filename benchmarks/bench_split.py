@@ -17,6 +17,7 @@ Variants, every one ``torch.compile``d in this process and timed side by side:
 * ``fused``     ``backend="tokenweave"`` with ``split=False`` (fused AllReduce-RMSNorm only)
 * ``split``     ``backend="tokenweave"``: fused + token split + two-stream overlap
 * ``V@N``       variant V with ``comm_ctas=N`` (e.g. ``split@16``)
+* ``V/D``       variant V with ``kernel=D`` (e.g. ``split/ce``; default: the config's, ``auto``)
 
 Every variant runs under ``--mode`` (default "reduce-overhead": CUDA graphs). Without CUDA graphs
 a 4-layer stack at these sizes is bound by host launch overhead (the split doubles the launches),
@@ -28,30 +29,55 @@ the token dimension dynamic instead (the split then uses T // 2). ``--sweep T,..
 forced split points ``T//2 + offset`` (variants ``split:<offset>``) at those T, to compare the
 smart choice with the best swept one.
 
-``--fake-comm``: one GPU, no peers. The process group is PyTorch's fake one (``FakeStore``,
-backend "fake", world size 2, this process is rank 0 and holds rank 0's shard); the fused op runs
-its ``reference`` implementation, whose collectives (like ``default``'s all_reduce) then move
-nothing. What is left is every variant's local work, so the split's own cost (per-half GEMMs,
-attention, launches, the stream joins) is tracked without 2 GPUs: ``split`` against ``fused``
-and ``nocomm``. Writes ``split_fake_<dims>.csv`` / ``.png``::
+``--designs p2p,ce,reference``: the variants ``fused/<design>`` and ``split/<design>`` for each
+(``kernel=<design>``), after ``default`` and ``nocomm``; any variant takes ``/<design>`` the same
+way. Every fused site of such a variant must run that design (checked, see below);
+``benchmarks/check_2gpu.sh`` runs this on two GPUs for ``p2p``, ``ce`` and ``reference``.
 
-    python benchmarks/bench_split.py --fake-comm --dims 8b --out benchmarks/results
+One GPU, no peers (PyTorch's fake process group: ``FakeStore``, backend "fake", world size 2, this
+process is rank 0 and holds rank 0's shard; ``weave_compile.testing.fake_comm``):
+
+* ``--fake-comm``: the product's own cost with communication free. The fused op runs the ``ce``
+  design's own program on rank 0's rows with every transfer and flag left out (the add+norm kernel,
+  the local copies), so ``split`` against ``fused`` and ``nocomm`` is what the split itself costs
+  (per-half GEMMs, attention, add+norm kernels, launches, stream joins). Writes
+  ``split_fake_<dims>.csv`` / ``.png``.
+* ``--rehearse [--link-gbps 370]``: the whole split rehearsed. Rank 0's ``ce`` program as in
+  production, the peer emulated on its own stream (its copies and flags; its add+norm a paced
+  delay), every cross-GPU copy paced to the NVLink rate by PCIe copies that hold no SM; what that
+  models and what not: docs/rehearsal.md. ``fused`` is the same design unsplit with its peer
+  emulated the same way. Writes ``split_rehearsal_<dims>.csv`` / ``.png``.
+
+Both run in one process (no torchrun), refuse ``default`` (its all_reduce moves nothing on the fake
+group) and force ``kernel="ce"``; ``--layers 2`` keeps a run short (compiles dominate)::
+
+    python benchmarks/bench_split.py --fake-comm --dims 8b --layers 2 --out benchmarks/results
+    python benchmarks/bench_split.py --rehearse --dims 70b --layers 2 --out benchmarks/results
 
 Kernel counts: ``kernels`` is every Inductor kernel launch in the variant's generated code per
 forward (Triton or C++; cuBLAS and custom ops not counted), ``pointwise_kernels`` the pointwise ones
 (``weave_compile.testing.kernel_counts``), from the compile at that T (with ``--dynamic``, the one
 compile). The split runs each per-token kernel once per half, so about twice the fused variant's.
 
+Every variant stops (``--keep-going``: is skipped and listed, exit status 1) rather than time
+something else: when no site was fused, when a fused site runs another design than the one asked
+for, when a fused op fell back at run time (a warning of the op), or when the fake ``ce`` entry was
+never called.
+
 Timing: warm-up, then ``--repeats`` x (barrier, CUDA events around ``--iters`` back-to-back
 forward calls), median per call, max over ranks, divided by the layer count (the embedding's
 gather and the final norm are included, amortized). Rank 0 writes ``split_<dims>.csv`` (after
-every point) and a PNG (left: each variant over default; right: the sweep, star = smart split).
+every point) and a PNG (left: each variant over default, over nocomm where default is not run;
+right: the sweep, star = smart split), and prints each T's ratios with the targets. A point that
+hangs (a stream wait never released) ends the run after ``--watchdog-s`` with every thread's stack.
 Never enables NVLink multicast.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import logging
 import os
 import sys
 
@@ -62,7 +88,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 COLUMNS = ["gpu", "torch", "triton", "git_commit", "date", "world_size", "mode", "dims", "layers", "T", "variant",
-           "split_at", "ms_per_layer", "kernels", "pointwise_kernels"]
+           "split_at", "ms_per_layer", "kernels", "pointwise_kernels", "design"]
 DIMS = {"8b": dict(hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=32000, eps=1e-5),
         "70b": dict(hidden=8192, heads=64, kv_heads=8, intermediate=28672, vocab=32000, eps=1e-5)}
 
@@ -77,10 +103,12 @@ def build(dims: str, layers: int, comm: bool, dev):
                       device=dev)
 
 
-def setup(fake_comm: bool = False) -> tuple[int, torch.device]:
+def setup(fake: bool = False) -> tuple[int, torch.device]:
     """NCCL process group from torchrun's environment, or the fake one of world size 2 on one
-    GPU (``--fake-comm``); this rank's GPU."""
-    if fake_comm:
+    GPU (``--fake-comm``, ``--rehearse``); this rank's GPU."""
+    if fake:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise SystemExit("--fake-comm / --rehearse run in ONE process on one GPU; do not use torchrun")
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
@@ -93,12 +121,108 @@ def setup(fake_comm: bool = False) -> tuple[int, torch.device]:
     return rank, dev
 
 
+def parse_variant(variant: str) -> tuple[str, str, str, str]:
+    """``kind[/design][:offset][@ctas]`` -> ``(kind, design, offset, ctas)`` (empty where absent)."""
+    rest, _, ctas = variant.partition("@")
+    rest, _, offset = rest.partition(":")
+    kind, _, design = rest.partition("/")
+    if kind not in ("default", "nocomm", "fused", "split"):
+        raise SystemExit(f"unknown variant {variant!r}: kind must be default, nocomm, fused or split")
+    return kind, design, offset, ctas
+
+
+def variants_of(args) -> list[str]:
+    fake = args.fake_comm or args.rehearse
+    if args.variants:
+        variants = args.variants.split(",")
+    elif args.designs:
+        variants = ["nocomm"] + [f"{k}/{d}" for d in args.designs.split(",") for k in ("fused", "split")]
+        variants = variants if fake else ["default"] + variants
+    else:
+        variants = ["nocomm", "fused", "split"] if fake else ["default", "nocomm", "fused", "split"]
+    sweep = [f"split:{o}" for o in args.sweep_offsets.split(",")] if args.sweep else []
+    variants += sweep
+    for v in variants:
+        kind, design, _, _ = parse_variant(v)
+        if fake and kind == "default":
+            raise SystemExit("variant 'default' on the fake process group times an all_reduce that moves nothing; "
+                             "leave it out with --fake-comm / --rehearse")
+        if fake and design not in ("", "ce"):
+            raise SystemExit(f"{v}: --fake-comm / --rehearse emulate the ce design only")
+    return variants
+
+
+class PointCheck(logging.Handler):
+    """Never time the wrong thing: after a variant's compiling call, every fused site must run the
+    design asked for, a fake ``ce`` entry must have been called, and no fused op may have fallen
+    back at run time (the op logs a warning; a fallback inside CUDA-graph capture would otherwise
+    time the ``reference`` op under the design's name)."""
+
+    def __init__(self, fake):
+        super().__init__(logging.WARNING)
+        self.fake, self.fallbacks, self.calls = fake, [], 0
+        logging.getLogger("weave_compile.ops.allreduce_rmsnorm").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "fell back" in record.getMessage():
+            self.fallbacks.append(record.getMessage())
+
+    def start(self) -> None:
+        self.calls = self.fake.calls if self.fake is not None else 0
+        self.fallbacks.clear()
+
+    def no_fallback(self, variant: str) -> None:
+        if self.fallbacks:
+            raise RuntimeError(f"{variant}: a fused op fell back at run time: {self.fallbacks[0]}")
+
+    def sites(self, variant: str, design: str, fresh: bool) -> str:
+        """The design every fused site runs (checked against ``design`` when one is asked for)."""
+        import weave_compile
+
+        self.no_fallback(variant)
+        if parse_variant(variant)[0] in ("default", "nocomm"):
+            return "-"
+        sites = [s for g in weave_compile.explain().graphs for s in g.sites]
+        fused = [s for s in sites if s.fused]
+        if not fused:
+            raise RuntimeError(f"{variant}: no all_reduce site was fused ({[s.reason for s in sites][:3]}): "
+                               "this would time the unfused graph")
+        got = sorted({s.kernel for s in fused})
+        if design and got != [design]:
+            bad = [(s.node, s.kernel, s.kernel_reason) for s in fused if s.kernel != design]
+            raise RuntimeError(f"{variant}: sites run {got}, not {design!r} only: {bad[:3]}")
+        if self.fake is not None and fresh and self.fake.calls <= self.calls:
+            raise RuntimeError(f"{variant}: the fake ce entry was never called: something else ran the fused op")
+        return "+".join(got)
+
+
+def summarize(rows: list[dict], label: str) -> None:
+    """Each T's ratios (every split variant over its fused one, nocomm and default), with the
+    targets this mode is held to (docs/rehearsal.md)."""
+    ms = {(int(r["T"]), r["variant"]): float(r["ms_per_layer"]) for r in rows}
+    targets = {"fake-comm": "split/fused <= 1.06 at 1024, <= 1.02 from 2048 (8B); <= 1.00 from 2048 (70B)",
+               "rehearse": "8B: split <= 0.92x fused from 2048, <= 1.03x nocomm from 4096; 70B: split <= 1.00x "
+                           "nocomm from 4096"}
+    print(f"summary ({label}; targets: {targets.get(label, 'none')})")
+    for t in sorted({t for t, _ in ms}):
+        parts = []
+        for v in [v for tt, v in ms if tt == t and parse_variant(v)[0] in ("split", "fused") and ":" not in v]:
+            kind = parse_variant(v)[0]
+            bases = (("fused" + v[len("split"):]),) if kind == "split" else ()
+            for b in bases + ("nocomm", "default"):
+                if (t, b) in ms:
+                    parts.append(f"{v} over {b} {ms[(t, v)] / ms[(t, b)]:.3f}")
+        print(f"  T={t:6d}: " + ", ".join(parts))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dims", choices=sorted(DIMS), default="8b")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", default="1024,2048,4096,8192,16384")
-    ap.add_argument("--variants", default="default,nocomm,fused,split")
+    ap.add_argument("--variants", default="", help="comma list of kind[/design][:offset][@ctas] (default: "
+                    "default,nocomm,fused,split; on the fake group nocomm,fused,split)")
+    ap.add_argument("--designs", default="", help="comma list of designs: fused/<d> and split/<d> for each")
     ap.add_argument("--sweep", default="", help="T values at which to also time forced split points")
     ap.add_argument("--sweep-offsets", default="-256,0,256,512,1024", help="forced split points: T//2 + offset")
     ap.add_argument("--dynamic", action="store_true", help="one graph per variant with the token dimension "
@@ -106,23 +230,48 @@ def main() -> None:
     ap.add_argument("--comm-ctas", type=int, default=32)
     ap.add_argument("--mode", default="reduce-overhead", help="torch.compile mode for every variant "
                     "('default': no CUDA graphs, launch-bound below ~8K tokens)")
-    ap.add_argument("--fake-comm", action="store_true", help="one GPU, fake process group of 2 ranks: "
-                    "collectives move nothing, the fused op runs kernel='reference' (the split's own cost)")
+    fake_args = ap.add_mutually_exclusive_group()
+    fake_args.add_argument("--fake-comm", action="store_true", help="one GPU, fake process group of 2 ranks: "
+                           "the ce design's own local work, no transfer (the split's own cost)")
+    fake_args.add_argument("--rehearse", action="store_true", help="one GPU, fake process group of 2 ranks: "
+                           "ce with its peer emulated and transfers paced to --link-gbps (docs/rehearsal.md)")
+    ap.add_argument("--link-gbps", type=float, default=370.0, help="--rehearse: NVLink GB/s per direction")
+    ap.add_argument("--peer-skew-us", type=float, default=0.0, help="--rehearse: the peer starts each op later")
+    ap.add_argument("--norm-gbps-per-cta", type=float, default=None,
+                    help="--rehearse: the peer's add+norm rate (default: the measured table)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--watchdog-s", type=float, default=900.0, help="end the run (stacks printed) when one "
+                    "point takes longer: a stream wait that is never released must not hang the machine")
+    ap.add_argument("--keep-going", action="store_true", help="a variant whose sites do not run the design "
+                    "asked for is skipped (listed, exit status 1) instead of ending the run")
+    ap.add_argument("--csv-name", default="", help="file name stem (default by mode: split_<dims>, "
+                    "split_fake_<dims>, split_rehearsal_<dims>)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
+    fake_mode = "fake-comm" if args.fake_comm else "rehearse" if args.rehearse else ""
+    if args.rehearse:  # streams blocked in a wait must not share a hardware queue (before CUDA starts)
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    variants = variants_of(args)
 
-    rank, dev = setup(args.fake_comm)
+    rank, dev = setup(bool(fake_mode))
     import weave_compile
+    from weave_compile.testing import fake_comm
     from weave_compile.testing.kernel_counts import compiled_launches, pointwise
 
-    meta = dict(run_meta(dev), world_size=dist.get_world_size(),
-                dims=args.dims, layers=args.layers)
+    fake = None
+    if args.fake_comm:
+        fake = fake_comm.install("local")
+    elif args.rehearse:
+        fake = fake_comm.install("rehearse", link_gbps=args.link_gbps, peer_skew_us=args.peer_skew_us,
+                                 norm_gbps_per_cta=args.norm_gbps_per_cta)
+    if fake is not None:
+        print(fake.describe(), flush=True)
+    meta = dict(run_meta(dev), world_size=dist.get_world_size(), dims=args.dims, layers=args.layers,
+                mode=args.mode + {"": "", "fake-comm": " fake-comm", "rehearse": f" rehearse@{args.link_gbps:g}"}[
+                    fake_mode])
     rows = []
-    tw = {"comm_ctas": args.comm_ctas, **({"kernel": "reference"} if args.fake_comm else {})}
     mode = None if args.mode == "default" else args.mode
-    meta["mode"] = args.mode
     dynamic = True if args.dynamic else False
 
     def tokens_for(t, dynamic):
@@ -131,15 +280,16 @@ def main() -> None:
             torch._dynamo.mark_dynamic(x, 1)
         return x
 
-    name = f"split_fake_{args.dims}" if args.fake_comm else f"split_{args.dims}"
-    meta["mode"] = args.mode + (" fake-comm" if args.fake_comm else "")
+    name = args.csv_name or {"": "split_", "fake-comm": "split_fake_", "rehearse": "split_rehearsal_"}[
+        fake_mode] + args.dims
     path = os.path.join(args.out, name + ".csv")
     sweep_ts = {int(v) for v in args.sweep.split(",") if v}
-    variants = args.variants.split(",") + [f"split:{o}" for o in args.sweep_offsets.split(",") if sweep_ts]
     ts = [int(v) for v in args.tokens.split(",")]
+    failed: list[str] = []
+    check = PointCheck(fake)
     for variant in variants:
-        kind, _, ctas = variant.partition("@")
-        kind, _, offset = kind.partition(":")
+        kind, design, offset, ctas = parse_variant(variant)
+        design = design or ("ce" if fake is not None else "")
         d, model = build(args.dims, args.layers, kind != "nocomm", dev)
         c = None
         torch._dynamo.reset()
@@ -153,8 +303,8 @@ def main() -> None:
             if kind not in ("default", "nocomm"):
                 if offset or not dynamic:  # a static graph per T (and per forced split point)
                     torch._dynamo.reset()
-                opts = {**tw, "split": kind == "split", "mode": args.mode,
-                        **({"comm_ctas": int(ctas)} if ctas else {}),
+                opts = {"comm_ctas": int(ctas) if ctas else args.comm_ctas, "split": kind == "split",
+                        "mode": args.mode, **({"kernel": design} if design else {}),
                         **({"split_at": t // 2 + int(offset)} if offset else {})}
                 if t == ts[0] or offset or not dynamic:
                     c = torch.compile(model, backend="tokenweave", dynamic=dynamic, options=opts)
@@ -162,10 +312,24 @@ def main() -> None:
             elif not dynamic:
                 fresh = True  # Dynamo recompiles the static graph for this T
             x = tokens_for(t, dynamic)
-            with torch.no_grad():
-                if fresh:  # the compiling call: count the kernels it generated
-                    counts, fresh = compiled_launches(c, x), False
-                ms = Timer(args.repeats, warmup=3, graph=False)(lambda: c(x), args.iters) / 1e3 / args.layers
+            check.start()
+            faulthandler.dump_traceback_later(args.watchdog_s, exit=True)
+            try:
+                with torch.no_grad():
+                    was_fresh = fresh
+                    if fresh:  # the compiling call: count the kernels it generated
+                        counts, fresh = compiled_launches(c, x), False
+                    ran = check.sites(variant, design, was_fresh)
+                    ms = Timer(args.repeats, warmup=3, graph=False)(lambda: c(x), args.iters) / 1e3 / args.layers
+                check.no_fallback(variant)
+            except RuntimeError as e:
+                if not args.keep_going:
+                    raise
+                failed.append(f"{variant} T={t}: {e}")
+                print(f"SKIPPED {variant} from T={t} on: {e}", flush=True)
+                break
+            finally:
+                faulthandler.cancel_dump_traceback_later()
             at = "-"
             if kind == "split":
                 text = weave_compile.explain().graphs[-1].split.describe()
@@ -173,20 +337,25 @@ def main() -> None:
                 if rank == 0:
                     print("  ", text[:300], flush=True)
             rows.append({**meta, "T": t, "variant": variant, "split_at": at, "ms_per_layer": f"{ms:.4f}",
-                         "kernels": sum(counts.values()), "pointwise_kernels": pointwise(counts)})
+                         "kernels": sum(counts.values()), "pointwise_kernels": pointwise(counts), "design": ran})
             if rank == 0:
                 print(f"{variant:12s} T={t:6d} split_at={at}: {ms:.4f} ms/layer, {sum(counts.values())} kernels "
-                      f"({pointwise(counts)} pointwise) per forward", flush=True)
+                      f"({pointwise(counts)} pointwise) per forward, design {ran}", flush=True)
                 write_csv(path, rows, COLUMNS)  # after every point: a timeout keeps what was measured
         c = model = None
         torch.cuda.empty_cache()
     if rank == 0:
         print("wrote", path)
+        summarize(rows, fake_mode or "2 GPUs")
         try:
             plot(rows, os.path.join(args.out, name + ".png"))
         except Exception as e:  # the CSV is the result; a missing matplotlib is not fatal
             print("plot skipped:", e)
+    fake_comm.uninstall()
     dist.destroy_process_group()
+    if failed:
+        raise SystemExit("variants not timed (they would have timed something else):\n  "
+                         + "\n  ".join(failed))
 
 
 def plot(rows, path: str) -> None:
@@ -197,14 +366,15 @@ def plot(rows, path: str) -> None:
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4))
     meta = rows[0]
-    base = {int(r["T"]): float(r["ms_per_layer"]) for r in rows if r["variant"] == "default"}
+    base_name = "default" if any(r["variant"] == "default" for r in rows) else "nocomm"
+    base = {int(r["T"]): float(r["ms_per_layer"]) for r in rows if r["variant"] == base_name}
     for variant in dict.fromkeys(r["variant"] for r in rows if ":" not in r["variant"]):
         pts = sorted((int(r["T"]), float(r["ms_per_layer"])) for r in rows if r["variant"] == variant)
         if pts and base:
             ax.plot([p[0] for p in pts], [p[1] / base[p[0]] for p in pts], "o-", label=variant)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens (batch 1, prefill)")
-    ax.set_ylabel("latency / torch.compile default")
+    ax.set_ylabel(f"latency / {base_name}" + (" (torch.compile, NCCL)" if base_name == "default" else ""))
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     for t in sorted({int(r["T"]) for r in rows if ":" in r["variant"]}):

@@ -48,6 +48,7 @@ class Site:
     has_scale: bool = False
     eps_on_device: bool = False  # eps is a graph input living on the device
     out_in_place: bool = False  # outputs may stay in the symmetric output ring (option)
+    comm_ctas: Optional[int] = None  # the thread blocks the op will run with (None: the default)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -73,7 +73,7 @@ def site_of(m: SiteMatch, config: TokenWeaveConfig) -> kernels.Site:
         split=config.split and (rows is None or rows >= config.split_threshold),
         has_scale=m.scale is not None,
         eps_on_device=isinstance(eps, fx.Node) and val(eps).device.type != "cpu",
-        out_in_place=config.output_in_place)
+        out_in_place=config.output_in_place, comm_ctas=config.comm_ctas)
 
 
 class FuseAllReduceRMSNormPass(WeavePass):
