@@ -107,6 +107,24 @@ def connections() -> int:
     return max(1, min(_MAX_CONNECTIONS, n))
 
 
+def primary_context(device: torch.device):
+    """``device``'s primary context (retained): what a thread of our own makes current
+    (:func:`make_current`) before driver calls; torch's device guard would not bind it where the
+    thread's current device already reads as that index."""
+    cu = driver()
+    return check(cu.cuDevicePrimaryCtxRetain(cu.CUdevice(device.index or 0)), "cuDevicePrimaryCtxRetain")
+
+
+def make_current(ctx) -> None:
+    check(driver().cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+def wait_event(stream: Stream, event: torch.cuda.Event) -> None:
+    """Make ``stream`` wait for ``event`` (recorded on a torch stream); no host sync."""
+    cu = driver()
+    check(cu.cuStreamWaitEvent(_handle(stream), cu.CUevent(event.cuda_event), 0), "cuStreamWaitEvent")
+
+
 def new_streams(device: torch.device, count: int) -> list:
     """``count`` new non-blocking streams of ``device``'s primary context at the greatest priority,
     created back to back (so, queues being handed out in turn, they cover ``count`` queues)."""

@@ -95,31 +95,45 @@ class _DeviceRescue:
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.context = memops.primary_context(device)
         self.streams = memops.new_streams(device, memops.connections())
         with torch.cuda.device(device):
             self.nan = torch.full((_NAN_CHUNK_BYTES // 2,), _NAN_HALF, dtype=torch.int16, device=device)
-            scratch = torch.zeros(2, dtype=torch.int32, device=device)
-            for s in self.streams:
-                memops.copy(s, scratch.data_ptr(), self.nan.data_ptr(), 4)
-                memops.write(s, scratch.data_ptr() + 4, 1)
-            for s in self.streams:
-                memops.check(memops.driver().cuStreamSynchronize(s), "cuStreamSynchronize")
+            self._scratch = torch.zeros(2, dtype=torch.int32, device=device)
+            self._filled = torch.cuda.Event()
+            self._filled.record()
+            for s in self.streams:  # ordered after the fill; each path enqueued once (no host sync)
+                memops.wait_event(s, self._filled)
+                memops.copy(s, self._scratch.data_ptr(), self.nan.data_ptr(), 4)
+                memops.write(s, self._scratch.data_ptr() + 4, 1)
 
     def __call__(self, ws: CeWorkspace) -> None:
-        with torch.cuda.device(self.device):
-            for s in self.streams:
-                for reg in ws.regions:
-                    for t in (reg.out, reg.res):
-                        base, nbytes = t.data_ptr(), t.numel() * t.element_size()
-                        for off in range(0, nbytes, _NAN_CHUNK_BYTES):
-                            memops.copy(s, base + off, self.nan.data_ptr(), min(_NAN_CHUNK_BYTES, nbytes - off))
-                for reg in ws.regions:
-                    memops.write(s, reg.abort.data_ptr(), 1)
-                me = ws.regions[ws.rank]
-                for p in range(ws.world_size):
-                    if p != ws.rank:
-                        for phase in (RS, AG):
-                            memops.write(s, me.flags[phase, p:p + 1].data_ptr(), 1)
+        memops.make_current(self.context)  # (on the watchdog's thread)
+        for s in self.streams:
+            for reg in ws.regions:
+                for t in (reg.out, reg.res):
+                    base, nbytes = t.data_ptr(), t.numel() * t.element_size()
+                    for off in range(0, nbytes, _NAN_CHUNK_BYTES):
+                        memops.copy(s, base + off, self.nan.data_ptr(), min(_NAN_CHUNK_BYTES, nbytes - off))
+            for reg in ws.regions:
+                memops.write(s, reg.abort.data_ptr(), 1)
+            me = ws.regions[ws.rank]
+            for p in range(ws.world_size):
+                if p != ws.rank:
+                    for phase in (RS, AG):
+                        memops.write(s, me.flags[phase, p:p + 1].data_ptr(), 1)
+
+
+_RESCUES: dict = {}
+_RESCUES_LOCK = threading.Lock()
+
+
+def _device_rescue(device: torch.device) -> _DeviceRescue:
+    """The process's rescue of ``device`` (made on first use: at a watch, never in a stall)."""
+    with _RESCUES_LOCK:
+        if device not in _RESCUES:
+            _RESCUES[device] = _DeviceRescue(device)
+        return _RESCUES[device]
 
 
 def _host_rescue(ws: CeWorkspace) -> None:
@@ -149,7 +163,6 @@ class Watchdog:
         self.poll_s = float(poll_s) if poll_s is not None else min(1.0, self.timeout_s / 10)
         self._clock = clock
         self._rescue = rescue
-        self._rescues: dict = {}
         self._watched: list[_Watched] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -162,8 +175,8 @@ class Watchdog:
         for ws in wss:
             me = ws.regions[ws.rank]
             dev = me.flags.device
-            if self._rescue is None and dev.type == "cuda" and dev not in self._rescues:
-                self._rescues[dev] = _DeviceRescue(dev)
+            if self._rescue is None and dev.type == "cuda":
+                _device_rescue(dev)
             if ws.mark is None:
                 ws.mark = memops.HostWords(1, dev)
             with self._lock:
@@ -173,7 +186,7 @@ class Watchdog:
         if self._rescue is not None:
             return self._rescue
         dev = ws.regions[ws.rank].flags.device
-        return self._rescues[dev] if dev.type == "cuda" else _host_rescue
+        return _device_rescue(dev) if dev.type == "cuda" else _host_rescue
 
     def check(self) -> list[str]:
         """One poll: fire on stalls past the timeout, release the waits of failed workspaces;

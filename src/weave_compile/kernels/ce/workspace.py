@@ -206,11 +206,16 @@ def get_workspace(group_name: str, device: torch.device, hidden: int, dtypes: tu
     from .watchdog import watch_default
 
     # Growing at run time can happen inside cudagraph trees' warm-up (a symbolic T above the
-    # compile-time reservation); allocated there, the workspace's tensors fail the pool check.
+    # compile-time reservation); allocated there, the workspace's tensors (and the watchdog's
+    # buffers) would fail the pool check.
     capacity = _round_up(per_rank, _CAPACITY_ROUND_ROWS)
-    new = outside_pool.run_outside_graph_pool(
-        lambda: _allocate(group_name, device, hidden, dtypes, capacity), device)
-    watch_default(new)
+
+    def make() -> CeWorkspace:
+        ws = _allocate(group_name, device, hidden, dtypes, capacity)
+        watch_default(ws)
+        return ws
+
+    new = outside_pool.run_outside_graph_pool(make, device)
     _WORKSPACES[key] = new
     return new
 
