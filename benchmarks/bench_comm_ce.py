@@ -13,8 +13,11 @@ sharded residual in and out, the layout compiled models run, ``rows_per_rank`` r
   ``gbps_per_cta`` then holds the phase's total GB/s). Emulated peers are local HBM, not NVLink:
   these are device-to-device copy rates, not NVLink rates.
 * ``ce / whole_op`` and ``p2p_push / whole_op``: one call of every emulated rank (each on its own
-  stream, all in one CUDA graph), the copy-engine op vs the current p2p push kernel with the same
-  CTA budget; ``gbps_per_cta`` empty. Both ranks share one GPU, so each gets half of its HBM.
+  stream, all in one CUDA graph, ``copy_engine.emulated_run``), the copy-engine op vs the current
+  p2p push kernel with the same CTA budget; ``gbps_per_cta`` empty. Both ranks share one GPU, so
+  each gets half of its HBM. ``ce_watched / whole_op``: the same on workspaces the watchdog
+  watches, as in production (a progress mark per wait, the abort word read by the add+norm
+  kernel): what the bounded wait costs on the fast path (``--no-watch`` skips it).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from common import RESULTS, Timer, meta, write_csv  # noqa: E402  (sets the no-m
 import torch  # noqa: E402
 
 from weave_compile.kernels.ce import copy_engine as ce  # noqa: E402
+from weave_compile.kernels.ce.watchdog import Watchdog  # noqa: E402
 from weave_compile.kernels.shared import addnorm  # noqa: E402
 from weave_compile.kernels.spec import FusedSpec, Rows  # noqa: E402
 
@@ -60,6 +64,7 @@ def main() -> None:
     ap.add_argument("--sweep-ctas", type=int, default=8)
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--no-push", action="store_true")
+    ap.add_argument("--no-watch", action="store_true", help="skip the watched workspaces' whole op")
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()
     path = os.path.join(args.out, "comm_per_cta_ce.csv")
@@ -124,26 +129,21 @@ def main() -> None:
                 normed[p * S:(p + 1) * S].copy_(wss[0].regions[p].out[:S])
         emit("ce", "pull_copies", 0, H, timer(pulls, args.iters), 2 * N * S * H * 2)
 
-        # The whole op, both emulated ranks, each on its own stream.
+        # The whole op, both emulated ranks, each on its own stream; then on watched workspaces.
         streams = [torch.cuda.Stream() for _ in range(N)]
-
-        def forked(call):
-            def fn():
-                main = torch.cuda.current_stream()
-                for r in range(N):
-                    streams[r].wait_stream(main)
-                    with torch.cuda.stream(streams[r]):
-                        call(r)
-                for s in streams:
-                    main.wait_stream(s)
-            return fn
-
-        for c in ctas_list:
-            spec = FusedSpec(residual_dtype=dt, out_dtype=dt, eps=1e-6, residual_in_sharded=True,
-                             residual_out_sharded=True, comm_ctas=c)
-            fn = forked(lambda r, spec=spec: ce.ce_call(wss[r], Rows(xs[r], res_sh[r], None, weight), spec,
-                                                        config=best_cfg))
-            emit("ce", "whole_op", c, H, timer(fn, args.iters), None)
+        rank_rows = [Rows(xs[r], res_sh[r], None, weight) for r in range(N)]
+        designs = [("ce", wss)]
+        if not args.no_watch:
+            watched = ce.emulated_workspaces(N, S, H, (dt, dt, dt), device="cuda", poison=False)
+            Watchdog(timeout_s=600).watch(watched)  # not started: marks and the abort word only
+            designs.append(("ce_watched", watched))
+        for design, spaces in designs:
+            for c in ctas_list:
+                spec = FusedSpec(residual_dtype=dt, out_dtype=dt, eps=1e-6, residual_in_sharded=True,
+                                 residual_out_sharded=True, comm_ctas=c)
+                fn = lambda spaces=spaces, spec=spec: ce.emulated_run(spaces, rank_rows, spec, streams,  # noqa: E731
+                                                                      config=best_cfg)
+                emit(design, "whole_op", c, H, timer(fn, args.iters), None)
         if not args.no_push:  # the current push kernel, through helper kern's emulated-rank harness
             from weave_compile.testing.emulated_ranks import EmulatedRanks, push_allreduce_rmsnorm
 

@@ -184,7 +184,7 @@ def run_script(path, args, timeout, env=None):
 
 
 def stub_workspace_allocation(monkeypatch, module) -> list:
-    """Let ``module.get_workspace`` (oneshot.workspace, ce.copy_engine) run on CPU: its allocation records a
+    """Let ``module.get_workspace`` (oneshot.workspace, ce.workspace) run on CPU: its allocation records a
     stand-in with the capacity asked for (the list returned), no capture, a 2-rank group."""
     import types
 
@@ -193,7 +193,7 @@ def stub_workspace_allocation(monkeypatch, module) -> list:
     made = []
 
     def fake_allocate(*args):
-        made.append(types.SimpleNamespace(world_size=2, capacity=args[-1]))
+        made.append(types.SimpleNamespace(world_size=2, capacity=args[-1], failed=None))
         return made[-1]
 
     monkeypatch.setattr(module, "_allocate", fake_allocate)

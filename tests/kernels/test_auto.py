@@ -24,11 +24,15 @@ def site(**kw) -> kernels.Site:
 
 @pytest.fixture
 def symm(monkeypatch):
-    """The symmetric-memory probe and the hidden-size check, answering what the test sets."""
-    state = {"variant": "p2p", "reason": "p2p over symmetric memory", "hidden_problem": ""}
+    """The symmetric-memory probe and the hidden-size check, answering what the test sets; ``ce``
+    (which also needs cuda-python) runs wherever they let it unless ``ce`` says why not."""
+    from weave_compile.kernels.ce import copy_engine
+
+    state = {"variant": "p2p", "reason": "p2p over symmetric memory", "hidden_problem": "", "ce": None}
     monkeypatch.setattr(probe, "probe", lambda group, device, dtype, hidden: probe.SymmProbe(
         state["variant"] is not None, state["variant"] == "multimem", state["reason"]))
     monkeypatch.setattr(probe, "check_hidden", lambda hidden, dtypes: state["hidden_problem"])
+    monkeypatch.setattr(copy_engine, "unavailable_reason", lambda: state["ce"])
     return state
 
 
@@ -80,9 +84,14 @@ def test_a_hidden_size_or_dtype_the_kernels_cannot_take_falls_back_with_its_reas
 
 
 def test_what_an_implementation_takes_decides_before_its_check(symm):
-    """A scale or an eps on the device goes only where it is taken; nothing else is probed."""
+    """A scale or an eps on the device goes only where it is taken; nothing else is probed. Of
+    auto's candidates only ce takes a scale: where it runs, a scaled site gets it by capability."""
     kernel, why = auto.choose("auto", site(has_scale=True))
-    assert kernel == "reference" and "scaled site: only reference, ce, nccl take a scale" == why
+    assert kernel == "ce" and "by capability" in why
+    symm.update(ce="cuda-python is not installed (test)")
+    kernel, why = auto.choose("auto", site(has_scale=True))
+    assert kernel == "reference" and why == ("scaled site: only reference, ce, nccl take a scale; "
+                                             "cuda-python is not installed (test)")
     kernel, why = auto.choose("p2p", site(has_scale=True))
     assert kernel == "reference" and why.startswith("requested 'p2p' unavailable: scaled site")
     kernel, why = auto.choose("auto", site(eps_on_device=True))

@@ -17,7 +17,8 @@ from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
 
 
 def _dummy(calls: dict) -> kernels.Implementation:
-    """Runs the fallback's math and counts its calls; with ``calls["poison"]`` its normed output is NaN."""
+    """Runs the fallback's math and counts its calls; with ``calls["poison"]`` its normed output is NaN;
+    records the sites it reserves for in ``calls["reserved"]``."""
 
     def run(rows, spec):
         calls["run"] = calls.get("run", 0) + 1
@@ -26,7 +27,11 @@ def _dummy(calls: dict) -> kernels.Implementation:
             normed = torch.full_like(normed, float("nan"))
         return normed, residual_out
 
-    return kernels.Implementation(name="dummy", summary="a test stand-in", check=lambda site: None, run=run)
+    def reserve(site):
+        calls.setdefault("reserved", []).append(site)
+
+    return kernels.Implementation(name="dummy", summary="a test stand-in", check=lambda site: None, run=run,
+                                  reserve=reserve)
 
 
 @pytest.fixture
@@ -81,14 +86,18 @@ def _compile_with_dummy(rank, world_size, seed):
             calls["poison"] = True
             poisoned = compiled(ids)
         sites = [(s.fused, s.kernel, s.kernel_reason) for s in weave_compile.explain().sites]
-        return sites, runs, (got - want).abs().max().item(), bool(poisoned.isnan().any())
+        terms = [site.terms for site in calls.get("reserved", [])]
+        return sites, runs, (got - want).abs().max().item(), bool(poisoned.isnan().any()), terms
     finally:
         kernels.unregister("dummy")
 
 
 def test_a_registered_implementation_is_chosen_reported_and_dispatched(seed):
-    for sites, runs, err, poisoned in assert_ranks_ok(run_ranks(_compile_with_dummy, 2, args=(seed,), timeout=600)):
+    for sites, runs, err, poisoned, terms in assert_ranks_ok(run_ranks(_compile_with_dummy, 2, args=(seed,),
+                                                                       timeout=600)):
         assert sites and all(s == (True, "dummy", "requested") for s in sites), sites
+        # reserved once per site, knowing what the norm applies (a Llama: fp32 weight, no bias)
+        assert terms == [kernels.NormTerms(bias=None, weight=torch.float32, mid=None, scale=None)] * len(sites), terms
         assert runs == len(sites)  # one call per fused site and forward
         assert err < 1e-5, err
         assert poisoned  # the op returned what the dummy returned

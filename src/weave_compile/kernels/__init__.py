@@ -25,8 +25,9 @@ multicast off; ``multimem`` runs only where PyTorch itself made a multicast obje
 imports the op layer above (``ops/``); both use :mod:`weave_compile.rows`.
 """
 
-from .registry import AUTO, Implementation, Site, fallback, get, implementations, names, register, unregister
+from .registry import (AUTO, Implementation, NormTerms, Site, fallback, get, implementations, names, register,
+                       unregister)
 from .spec import FusedSpec, Rows
 
-__all__ = ["AUTO", "FusedSpec", "Implementation", "Rows", "Site", "fallback", "get", "implementations", "names",
-           "register", "unregister"]
+__all__ = ["AUTO", "FusedSpec", "Implementation", "NormTerms", "Rows", "Site", "fallback", "get", "implementations",
+           "names", "register", "unregister"]

@@ -17,7 +17,7 @@ Adding an implementation is one module that defines ``IMPLEMENTATION`` and one l
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -27,6 +27,16 @@ from .spec import FusedSpec, Rows
 AUTO = "auto"
 
 Outputs = tuple[torch.Tensor, torch.Tensor]
+
+
+class NormTerms(NamedTuple):
+    """What a site's op applies besides x and the residual, as dtypes (None: absent): what a
+    reservation needs to compile every kernel variant the site can launch."""
+
+    bias: Optional[torch.dtype]
+    weight: Optional[torch.dtype]
+    mid: Optional[torch.dtype]  # the norm's mid dtype (None: none)
+    scale: Optional[torch.dtype]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +59,7 @@ class Site:
     eps_on_device: bool = False  # eps is a graph input living on the device
     out_in_place: bool = False  # outputs may stay in the symmetric output ring (option)
     comm_ctas: Optional[int] = None  # the thread blocks the op will run with (None: the default)
+    terms: Optional[NormTerms] = None  # None: unknown (a reservation then covers every case)
 
 
 @dataclasses.dataclass(frozen=True)

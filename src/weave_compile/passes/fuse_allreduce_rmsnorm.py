@@ -25,6 +25,7 @@ import logging
 import math
 from typing import Optional
 
+import torch
 import torch.fx as fx
 
 from weave_compile import kernels
@@ -73,7 +74,17 @@ def site_of(m: SiteMatch, config: TokenWeaveConfig) -> kernels.Site:
         split=config.split and (rows is None or rows >= config.split_threshold),
         has_scale=m.scale is not None,
         eps_on_device=isinstance(eps, fx.Node) and val(eps).device.type != "cpu",
-        out_in_place=config.output_in_place, comm_ctas=config.comm_ctas)
+        out_in_place=config.output_in_place, comm_ctas=config.comm_ctas, terms=_terms(m))
+
+
+def _terms(m: SiteMatch) -> kernels.NormTerms:
+    """The dtypes of what the op will apply besides x and the residual (a float scale becomes a
+    float32 tensor: SiteMatch.replace_with)."""
+    def dtype(node):
+        return None if node is None else val(node).dtype
+
+    scale = dtype(m.scale) if isinstance(m.scale, fx.Node) else None if m.scale is None else torch.float32
+    return kernels.NormTerms(bias=dtype(m.bias), weight=dtype(m.norm.weight), mid=m.norm.mid_dtype, scale=scale)
 
 
 class FuseAllReduceRMSNormPass(WeavePass):

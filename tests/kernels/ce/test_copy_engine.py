@@ -23,6 +23,9 @@ import pytest
 import torch
 
 from weave_compile.kernels.ce import copy_engine as ce
+from weave_compile.kernels.ce import program
+from weave_compile.kernels.ce import workspace as ce_workspace
+from weave_compile.kernels.ce.watchdog import Watchdog
 from weave_compile.kernels.reference import allreduce_add_rmsnorm_ref as _oracle
 from weave_compile.kernels.shared import addnorm
 from weave_compile.kernels.spec import FusedSpec, Rows
@@ -66,6 +69,8 @@ def simulate(programs: list[list], rng: random.Random, greedy: bool = False) -> 
             op.flag.fill_(1)
         elif isinstance(op, ce.Reset):
             op.flag.fill_(0)
+        elif isinstance(op, ce.Mark):
+            op.word.fill_(op.value)
         elif isinstance(op, ce.Norm):
             addnorm.add_rmsnorm_rows(**op.kwargs)
 
@@ -80,11 +85,15 @@ def make_inputs(gen, N, T, H, dtype, res_dtype, residual, bias, weight, scale):
 
 
 def run_calls(N, T, H, *, dtype=torch.bfloat16, res_dtype=None, residual="full", bias=False, weight=True,
-              scale=False, weight_offset=0.0, mid_dtype=None, calls=3, seed=0, greedy=False, mutate=None):
-    """Simulate ``calls`` back-to-back calls on N ranks; return [(outputs per rank, inputs), ...]."""
+              scale=False, weight_offset=0.0, mid_dtype=None, calls=3, seed=0, greedy=False, mutate=None,
+              watched=False):
+    """Simulate ``calls`` back-to-back calls on N ranks; return [(outputs per rank, inputs), ...].
+    ``watched``: the workspaces are watched (progress marks, the abort word read by the norm)."""
     res_dtype = res_dtype or dtype
     S = -(-T // N)
     wss = ce.emulated_workspaces(N, capacity=S + 3, hidden=H, dtypes=(dtype, dtype, res_dtype))
+    if watched:
+        Watchdog(timeout_s=60).watch(wss)
     gen, rng = torch.Generator().manual_seed(seed), random.Random(seed)
     sharded = residual == "sharded"
     results, programs = [], [[] for _ in range(N)]
@@ -110,6 +119,8 @@ def run_calls(N, T, H, *, dtype=torch.bfloat16, res_dtype=None, residual="full",
     simulate(programs, rng, greedy=greedy)
     for ws in wss:
         assert int(ws.regions[ws.rank].flags.abs().sum()) == 0, "a flag was left set: replay would break"
+        if watched:
+            assert ws.mark.read() == program.done_mark(ws.calls - 1), "the last mark must say: done waiting"
     return results, S
 
 
@@ -136,7 +147,7 @@ def test_ce_simulation_matches_float64(N, T, H, residual, seed):
 
 
 @pytest.mark.parametrize("case", [
-    dict(dtype=torch.float32, scale=True, bias=True),
+    dict(dtype=torch.float32, scale=True, bias=True, watched=True),
     dict(dtype=torch.bfloat16, res_dtype=torch.float32, weight_offset=1.0),  # Gemma-style (1 + w), fp32 residual
     dict(dtype=torch.float16, mid_dtype=torch.float16, weight=False),
 ])
@@ -239,9 +250,32 @@ for H, n, slots, cfg in [(40, 5, 1, addnorm.LaunchConfig(2, 3, 4)), (96, 9, 2, a
         torch.testing.assert_close(outs[0][0].float(), outs[1][0].float(), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-5, rtol=1e-5)
         assert torch.all(outs[0][1][n:] == 0) and not torch.signbit(outs[0][1][n:]).any()
-# The whole simulated protocol with the Triton kernel as its add+norm.
-for N, residual in ((2, "sharded"), (3, "full")):
-    results, S = t.run_calls(N, 11, 40, residual=residual, bias=True, seed=seed, calls=2)
+# The abort word (the ce watchdog's poison): 0 changes nothing, set makes every row NaN; the
+# padding rows of a sharded residual stay 0.
+for cfg in (addnorm.LaunchConfig(2, 1, 4, True), addnorm.LaunchConfig(2, 1, 4, chunk=16, depth=2),
+            addnorm.LaunchConfig(2, 2, 4)):
+    H, n = 40, 5
+    x = torch.randn(n, H, generator=g).to(torch.bfloat16)
+    recv = torch.randn(1, n, H, generator=g).to(torch.bfloat16)
+    w = torch.randn(H, generator=g)
+    for word in (0, 1):
+        abort = torch.tensor([word], dtype=torch.int32)
+        outs = []
+        for force in (False, True):
+            normed = torch.full((n, H), 7.0, dtype=torch.bfloat16)
+            res_out = torch.full((n + 2, H), 7.0, dtype=torch.float32)
+            addnorm.add_rmsnorm_rows(x, recv, None, None, w, None, normed, res_out, n_valid=n, config=cfg,
+                                     force_torch=force, abort=abort, eps=1e-5, mid_dtype=None, weight_offset=0.0,
+                                     num_ctas=2)
+            outs.append((normed, res_out))
+        for normed, res_out in outs:
+            assert bool(torch.isnan(normed).all()) == bool(word) and bool(torch.isnan(res_out[:n]).all()) == bool(word)
+            assert torch.all(res_out[n:] == 0)
+        if not word:
+            torch.testing.assert_close(outs[0][0].float(), outs[1][0].float(), atol=2e-2, rtol=2e-2)
+# The whole simulated protocol with the Triton kernel as its add+norm (watched: the abort word read).
+for N, residual, watched in ((2, "sharded", False), (3, "full", True)):
+    results, S = t.run_calls(N, 11, 40, residual=residual, bias=True, seed=seed, calls=2, watched=watched)
     t.check(results, N, S, 11, sharded=residual == "sharded")
 print("interp ok")
 """
@@ -298,14 +332,25 @@ def test_a_grown_workspace_keeps_the_old_one_alive_and_grows_geometrically(monke
     write of an earlier call may still be in flight into it) and grows by at least 1.5x."""
     from tests.kernels._symm_cases import stub_workspace_allocation  # here: a subprocess test imports this file alone
 
-    made = stub_workspace_allocation(monkeypatch, ce)
+    from weave_compile.kernels.ce import watchdog
+
+    made = stub_workspace_allocation(monkeypatch, ce_workspace)
+    watched = []
+    monkeypatch.setattr(watchdog, "watch_default", watched.append)
     dev = torch.device("cuda", 0)
     dts = (torch.bfloat16,) * 3
     first = ce.get_workspace("g", dev, 64, dts, 51200)  # large against the 256-row rounding (see oneshot's)
-    assert ce.get_workspace("g", dev, 64, dts, 2 * first.capacity) is first and not ce._RETIRED
+    assert ce.get_workspace("g", dev, 64, dts, 2 * first.capacity) is first and not ce_workspace._RETIRED
     second = ce.get_workspace("g", dev, 64, dts, 2 * first.capacity + 2)
-    assert second is not first and ce._RETIRED == [first]
+    assert second is not first and ce_workspace._RETIRED == [first]
     assert second.capacity >= 1.5 * first.capacity
+    assert len(made) == 2 and watched == made  # every new workspace is watched
+    # A workspace whose wait timed out raises before anything else (growing would be a
+    # rendezvous with a dead peer).
+    second.failed = "ce: group 'g' rank 0: no signal (test)"
+    for tokens in (8, 10 * second.capacity):
+        with pytest.raises(ce.CeAbortedError, match="no signal"):
+            ce.get_workspace("g", dev, 64, dts, tokens)
     assert len(made) == 2
 
 
@@ -336,3 +381,105 @@ def test_addnorm_default_shapes():
                 if c.prefetch:
                     e = c.block_rows * next_pow2(H) // (32 * c.num_warps)
                     assert e >= 1 and prefetch_fits(2 + next_pow2(max(1, slots)), e, nbytes, c.num_warps)
+
+
+# ----------------------------------------------------------------------------- the registry entry
+
+BF16 = torch.bfloat16
+
+
+def _site(**kw):
+    from weave_compile.kernels.registry import NormTerms, Site
+
+    base = dict(device=torch.device("cuda", 0), dtype=BF16, residual_dtype=BF16, out_dtype=BF16, hidden=64,
+                group_name="g", world_size=2, size_hint=100, residual_in_dtype=BF16, has_scale=True,
+                terms=NormTerms(bias=None, weight=BF16, mid=None, scale=torch.float32))
+    return Site(**{**base, **kw})
+
+
+def test_entry_reserves_the_workspace_and_loads_the_sites_kernels(monkeypatch):
+    """reserve(site): the workspace for the site's token count (at least MIN_RESERVED_ROWS) and
+    every add+norm variant of the site's terms."""
+    from weave_compile.kernels import ce as entry
+    from weave_compile.kernels.shared.symm_call import MIN_RESERVED_ROWS
+
+    ws = ce.emulated_workspaces(2, 256, 64, (BF16,) * 3)[0]
+    calls = []
+    monkeypatch.setattr(ce_workspace, "reserve", lambda *a: calls.append(("reserve", a)) or ws)
+    monkeypatch.setattr(program, "preload_site", lambda w, **kw: calls.append(("preload", w, kw)) or 2)
+    assert entry.IMPLEMENTATION.reserve is not None and entry.IMPLEMENTATION.auto_rank is not None
+    entry.IMPLEMENTATION.reserve(_site())
+    assert calls == [("reserve", ("g", torch.device("cuda", 0), 64, (BF16,) * 3, MIN_RESERVED_ROWS)),
+                     ("preload", ws, dict(residual_dtype=BF16, terms=[(None, BF16, None)], scale_dtype=torch.float32))]
+    calls.clear()
+    entry.IMPLEMENTATION.reserve(_site(size_hint=3 * MIN_RESERVED_ROWS, terms=None, has_scale=False,
+                                       residual_in_dtype=None, residual_dtype=torch.float32))
+    assert calls == [("reserve", ("g", torch.device("cuda", 0), 64, (BF16, BF16, torch.float32), 3 * MIN_RESERVED_ROWS)),
+                     ("preload", ws, dict(residual_dtype=None, terms=None, scale_dtype=None))]
+
+
+def test_entry_check_wants_rows_of_16_bytes(monkeypatch):
+    """Rows of every dtype the call touches are a multiple of 16 bytes, else no token count could be
+    sure to find its kernel loaded (a row offset would change the pointers' alignment)."""
+    from weave_compile.kernels import ce as entry
+    from weave_compile.kernels.shared import probe
+
+    monkeypatch.setattr(addnorm, "unavailable_reason", lambda *a: None)
+    monkeypatch.setattr(ce, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(probe, "probe", lambda *a, **k: probe.SymmProbe(True, False, "mapped (test)"))
+    fp32 = torch.float32
+    site = _site(dtype=fp32, out_dtype=fp32, residual_dtype=fp32, residual_in_dtype=BF16, hidden=3004)
+    assert "3004" in entry._check(site) and "16 bytes" in entry._check(site)
+    assert entry._check(_site(dtype=fp32, out_dtype=fp32, residual_dtype=fp32, residual_in_dtype=BF16,
+                              hidden=3008)) is None
+
+
+def test_without_cuda_python_the_reason_says_how_to_install(monkeypatch):
+    from weave_compile.kernels.ce import memops
+
+    def missing():
+        raise ModuleNotFoundError("No module named 'cuda'")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(memops, "driver", missing)
+    why = ce.unavailable_reason()
+    assert "cuda-python is not installed" in why and "pip install 'weave_compile[ce]'" in why
+    assert "No module named 'cuda'" in why
+
+
+def test_a_failed_workspace_raises_on_the_next_call():
+    ws = ce.emulated_workspaces(2, 8, 16, (torch.float32,) * 3)[0]
+    ws.failed = "ce: group 'g' rank 0 of 2: no reduce-scatter signal from rank 1 (test)"
+    with pytest.raises(ce.CeAbortedError, match="no reduce-scatter signal from rank 1"):
+        ce_call(ws, torch.randn(4, 16), run=False)
+
+
+@pytest.mark.skipif(not addnorm.HAS_TRITON, reason="triton not installed")
+def test_addnorm_with_the_abort_word_compiles_for_sm90():
+    """The kernel as a watched workspace launches it (the abort word read, NaN as 0x7FC00000),
+    compiled for sm_90 by Triton and ptxas here, for both launch shapes ce uses at H=4096."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    k = addnorm._add_rmsnorm_rows_kernel
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(k.signature, k.params, backend)
+    H = 4096
+    for rows in (1, 8):
+        cfg = addnorm.launch_config(H, slots=1, rows_per_cta=rows)
+        ptx = {}
+        for abort in (None, torch.zeros(1, dtype=torch.int32)):
+            x = torch.empty(rows, H, dtype=BF16)
+            tensors = (x, torch.empty(1, 256, H, dtype=BF16), torch.empty(rows, H, dtype=BF16), None,
+                       torch.empty(H, dtype=BF16), None, abort, torch.empty(rows, H, dtype=BF16),
+                       torch.empty(rows, H, dtype=BF16))
+            args, kw = addnorm.kernel_args(tensors, rows, rows, 1e-6, None, 0.0, cfg, 1)
+            bound, spec, opts = binder(*args, **kw)
+            options, signature, constexprs, attrs = k._pack_args(backend, kw, bound, spec, opts)
+            compiled = triton.compile(ASTSource(k, signature, constexprs, attrs), target=target,
+                                      options=options.__dict__)
+            ptx[abort is not None] = compiled.asm["ptx"]
+        assert "0f7FC00000" in ptx[True] and "0f7FC00000" not in ptx[False], cfg

@@ -1,32 +1,30 @@
 """GPU tests of the ``ce`` design on ONE GPU: N ranks emulated in one process.
 
 Each rank's workspace comes from ordinary device allocations (``copy_engine.emulated_workspaces``:
-peers' "symmetric" regions are the other ranks' tensors), each rank's program runs on its own
-stream, and the flags live in ordinary device memory (stream wait-value works on local memory).
-What this cannot show: copies and flag writes over NVLink into another GPU (peers here are local
-HBM). Checked: float64 oracle with poisoned outputs, awkward T and H, 1000 back-to-back calls,
-CUDA-graph replay with new data, and first of all that cross-stream ``cuStreamWriteValue32`` /
-``cuStreamWaitValue32`` order work and replay inside one captured graph.
+peers' "symmetric" regions are the other ranks' tensors), every call goes through
+``copy_engine.emulated_run`` (each rank on its own stream, the programs enqueued so that every
+wait's signal is enqueued first), and the flags live in ordinary device memory. What this cannot
+show: copies and flag writes over NVLink into another GPU (peers here are local HBM).
 
-A minimal emulated-rank harness is local to this file: helper ``kern``'s ``EmulatedRanks`` holds
-push-kernel workspaces, and the copy-engine programs need only streams. Every synchronisation goes
-through :func:`_sync`, which waits for one event with a deadline (never a device-wide synchronize,
-which a stream still blocked by an earlier failure would hang), and every test has a thread-method
-timeout that dumps the stacks. The rank streams are created once and reused: a stream blocked in a
-wait-value holds its hardware queue, and two ranks' streams sharing one (the pool wraps around;
-``CUDA_DEVICE_MAX_CONNECTIONS`` queues, 8 by default) would deadlock. Run with
-``CUDA_DEVICE_MAX_CONNECTIONS=32``.
+Checked: the stream-memory primitives across streams and in a graph; float64 oracle with poisoned
+outputs at awkward T and H; every add+norm variant loaded before any call (no token count loads a
+kernel); 1000 back-to-back calls without a host sync (rotating inputs: a stale slot shows); several
+calls of both ranks captured in one CUDA graph and replayed with new data; a cold start in a fresh
+process under ``CUDA_MODULE_LOADING=LAZY`` (the scenario that deadlocked: a kernel's first load
+while a stream waits on a peer); and the watchdog: a rank whose peer never issues its call gets
+NaN outputs, a released stream and an error within the timeout. The last two run in subprocesses
+with hard timeouts; every synchronisation here goes through :func:`_sync` (an event polled against
+a deadline: never a device-wide synchronize, which a stream still blocked would hang).
 
-Status: the first device runs of this file (2026-12-01, one H200) hung in the first test. Cause
-(found with a step-by-step script and faulthandler, session 5): the host blocked in the first
-launch of ``torch.cuda._sleep`` after a wait-value was enqueued on another stream: CUDA's lazy
-module loading synchronizes the context at a kernel's first load, which waited for the blocked
-stream. Every kernel is now loaded before the first wait is enqueued (``ce.preload``).
+    CUDA_DEVICE_MAX_CONNECTIONS=32 python -m pytest -q tests/kernels/ce/test_copy_engine_gpu.py
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
+import textwrap
 import time
 
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # before CUDA starts, if this module starts it
@@ -34,19 +32,24 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # before CUDA starts
 import pytest
 import torch
 
-from tests.kernels.ce.test_copy_engine import ce_call
+from tests.kernels._symm_cases import run_script
 from weave_compile.kernels.ce import copy_engine as ce
-from weave_compile.kernels.shared import addnorm
+from weave_compile.kernels.ce import program
+from weave_compile.kernels.ce.watchdog import Watchdog
 from weave_compile.kernels.reference import allreduce_add_rmsnorm_ref as _oracle
+from weave_compile.kernels.shared import addnorm
+from weave_compile.kernels.spec import FusedSpec, Rows
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(90, method="thread"),
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300, method="thread"),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.skipif(torch.cuda.is_available() and ce.unavailable_reason() is not None,
                                  reason=f"ce unavailable: {ce.unavailable_reason()}")]
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
        torch.float16: dict(atol=5e-3, rtol=5e-3)}
-DEADLINE_S = 20.0
+DEADLINE_S = 60.0
+BF16 = torch.bfloat16
+SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "src")
 
 
 def allreduce_add_rmsnorm_ref(*args, **kwargs):
@@ -54,16 +57,14 @@ def allreduce_add_rmsnorm_ref(*args, **kwargs):
     return tuple(t.double() for t in _oracle(*args, **kwargs))
 
 
-def _sync(wss=None, deadline_s: float = DEADLINE_S, flags=None) -> None:
-    """Wait for the current stream's work with a deadline; on timeout fail with the flags' state."""
+def _sync(deadline_s: float = DEADLINE_S) -> None:
+    """Wait for the current stream's work with a deadline (a blocked wait fails, never hangs)."""
     ev = torch.cuda.Event()
     ev.record()
     t0 = time.monotonic()
     while not ev.query():
         if time.monotonic() - t0 > deadline_s:
-            words = flags if flags is not None else [r.flags for r in wss[0].regions] if wss else []
-            pytest.fail(f"device work did not finish in {deadline_s} s: a wait was never satisfied "
-                        f"({len(words)} flag tensors; not read back: reading would wait too)")
+            pytest.fail(f"device work did not finish in {deadline_s} s: a wait was never satisfied")
         time.sleep(0.001)
 
 
@@ -71,33 +72,17 @@ _STREAM_POOL: list = []
 
 
 def _streams(n):
-    """The same n rank streams for every test (see the module docstring)."""
+    """The same n rank streams for every test."""
     while len(_STREAM_POOL) < n:
         _STREAM_POOL.append(torch.cuda.Stream())
     return _STREAM_POOL[:n]
 
 
-def emulated_call(wss, streams, xs, residuals, bias, weight, scale, **kw):
-    """Every rank's call on its own stream, forked from and joined back into the current stream.
-
-    Every rank's program is built and its kernels loaded (``ce.preload``) before any is enqueued:
-    a lazily loaded kernel's first launch may synchronize the context, which deadlocks once rank
-    0's stream waits for a rank whose program is not enqueued yet."""
-    main = torch.cuda.current_stream()
-    outs, progs = [], []
-    for r, ws in enumerate(wss):
-        streams[r].wait_stream(main)  # first: under capture this joins the rank's stream to it
-        with torch.cuda.stream(streams[r]):
-            normed, res_out, prog = ce_call(ws, xs[r], residuals[r], bias, weight, scale, run=False, **kw)
-        outs.append((normed, res_out))
-        progs.append(prog)
-    for prog in progs:
-        ce.preload(prog)
-    for r, prog in enumerate(progs):
-        ce.execute(prog, streams[r])
-    for s in streams:
-        main.wait_stream(s)
-    return outs
+def emulated_call(wss, xs, residuals, bias, weight, scale, *, num_ctas=8, **spec_kw):
+    """Every rank's call through ``ce.emulated_run``; ``spec_kw`` are FusedSpec fields."""
+    spec = FusedSpec(residual_dtype=wss[0].dtypes[2], out_dtype=wss[0].dtypes[1], comm_ctas=num_ctas, **spec_kw)
+    rows = [Rows(x, r, bias, weight, scale) for x, r in zip(xs, residuals)]
+    return ce.emulated_run(wss, rows, spec, _streams(len(wss)))
 
 
 def _inputs(N, T, H, dtype, res_dtype, residual, gen_seed):
@@ -120,8 +105,7 @@ def _residual_args(res_full, N, T, sharded):
 
 
 def _check(outs, partials, res_full, bias, weight, N, T, sharded, scale=None):
-    # The outputs' dtypes are the contract's: the oracle rounds to them (its defaults are the
-    # partials' dtype, which would hide an fp32 output behind fp16 rounding).
+    # The outputs' dtypes are the contract's: the oracle rounds to them.
     y, acc = allreduce_add_rmsnorm_ref(partials, res_full, bias, weight, eps=1e-5, scale=scale,
                                        out_dtype=outs[0][0].dtype, residual_dtype=outs[0][1].dtype)
     S = -(-T // N)
@@ -133,6 +117,12 @@ def _check(outs, partials, res_full, bias, weight, N, T, sharded, scale=None):
             assert torch.all(res_out[n:] == 0)
         else:
             torch.testing.assert_close(res_out.double(), acc, **TOL[res_out.dtype])
+
+
+def _poison(outs):
+    for normed, res_out in outs:
+        normed.fill_(float("nan"))
+        res_out.fill_(float("nan"))
 
 
 def test_stream_memops_cross_stream_in_graph():
@@ -147,28 +137,25 @@ def test_stream_memops_cross_stream_in_graph():
         main = torch.cuda.current_stream()
         a.wait_stream(main)
         b.wait_stream(main)
-        with torch.cuda.stream(b):  # waiter first in issue order: it must really wait
-            ce.stream_wait(b, flag.data_ptr(), 1)
-            ce.stream_write(b, flag.data_ptr(), 0)
-            dst.copy_(src)
-        with torch.cuda.stream(a):
+        with torch.cuda.stream(a):  # producer first in issue order (a wait's signal is enqueued first)
             torch.cuda._sleep(2_000_000)  # ~1 ms: the producer is late
             src.mul_(2.0)
             ce.stream_write(a, flag.data_ptr(), 1)
+        with torch.cuda.stream(b):
+            ce.stream_wait(b, flag.data_ptr(), 1)
+            ce.stream_write(b, flag.data_ptr(), 0)
+            dst.copy_(src)
         main.wait_stream(a)
         main.wait_stream(b)
 
-    # Load every kernel step() launches before its first wait-value is enqueued: under lazy
-    # module loading a first launch may synchronize the context, i.e. wait for stream b, which
-    # waits for the flag that launch was to produce (the hang of the first device runs).
-    torch.cuda._sleep(1000)
+    torch.cuda._sleep(1000)  # every kernel step() launches, loaded before its first wait
     src.uniform_()
     src.mul_(1.0)
     dst.fill_(float("nan"))
-    _sync(flags=[flag])
+    _sync()
     expect = src * 2
     step()
-    _sync(flags=[flag])
+    _sync()
     torch.testing.assert_close(dst, expect)
     g = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
@@ -181,23 +168,23 @@ def test_stream_memops_cross_stream_in_graph():
         expect = src * 2
         dst.fill_(float("nan"))
         g.replay()
-        _sync(flags=[flag])
+        _sync()
         torch.testing.assert_close(dst, expect)
         assert int(flag.item()) == 0
 
 
 @pytest.mark.parametrize("N", [2, 3])
-@pytest.mark.parametrize("T,H", [(1, 4096), (257, 3000), (4099, 4096), (130, 8192)])
+@pytest.mark.parametrize("T", [1, 3, 257, 4099])
+@pytest.mark.parametrize("H", [2880, 4096, 8192])
 @pytest.mark.parametrize("residual", [None, "full", "sharded"])
 def test_ce_emulated_matches_float64(N, T, H, residual, seed):
     sharded = residual == "sharded"
     S = -(-T // N)
-    dt = torch.bfloat16
-    wss = ce.emulated_workspaces(N, S + 5, H, (dt, dt, dt), device="cuda")
-    partials, res_full, bias, weight = _inputs(N, T, H, dt, dt, residual is not None, seed)
-    outs = emulated_call(wss, _streams(N), partials, _residual_args(res_full, N, T, sharded), bias, weight, None,
-                         eps=1e-5, residual_in_sharded=sharded, residual_out_sharded=sharded, num_ctas=8)
-    _sync(wss)
+    wss = ce.emulated_workspaces(N, S + 5, H, (BF16,) * 3, device="cuda")
+    partials, res_full, bias, weight = _inputs(N, T, H, BF16, BF16, residual is not None, seed)
+    outs = emulated_call(wss, partials, _residual_args(res_full, N, T, sharded), bias, weight, None,
+                         eps=1e-5, residual_in_sharded=sharded, residual_out_sharded=sharded)
+    _sync()
     _check(outs, partials, res_full, bias, weight, N, T, sharded)
 
 
@@ -209,157 +196,242 @@ def test_ce_emulated_dtypes_scale(dtype, res_dtype, out_dtype, seed):
     wss = ce.emulated_workspaces(N, 64, H, (dtype, out_dtype, res_dtype), device="cuda")
     partials, res_full, bias, weight = _inputs(N, T, H, dtype, res_dtype, True, seed)
     scale = torch.tensor([0.5], device="cuda")
-    outs = emulated_call(wss, _streams(N), partials, [res_full] * N, bias, weight, scale, eps=1e-5, num_ctas=4)
-    _sync(wss)
+    outs = emulated_call(wss, partials, [res_full] * N, bias, weight, scale, eps=1e-5, num_ctas=4)
+    _sync()
     _check(outs, partials, res_full, bias, weight, N, T, False, scale=scale)
 
 
-def test_ce_1000_back_to_back_calls(seed):
-    """Rotating inputs, every call's output checked: a stale or half-written row would show."""
+def test_no_token_count_loads_a_kernel_at_run_time(seed):
+    """What the registry entry's reserve loads (``preload_site``, on watched workspaces as in
+    production) is every kernel that calls of any T, CTA count and residual layout launch: the
+    Triton kernel cache does not grow."""
+    N, H = 2, 4096
+    wss = ce.emulated_workspaces(N, 2304, H, (BF16,) * 3, device="cuda")  # a multiple of 256 rows
+    Watchdog(timeout_s=600).watch(wss)  # not started: only the marks and the abort word
+    for ws in wss:
+        assert program.preload_site(ws, residual_dtype=BF16, terms=[(BF16, BF16, None)], scale_dtype=None) >= 1
+    cache = addnorm._add_rmsnorm_rows_kernel.device_caches[torch.cuda.current_device()][0]
+    before = set(cache)
+    for T in (1, 3, 257, 4099):
+        partials, res_full, bias, weight = _inputs(N, T, H, BF16, BF16, True, seed + T)
+        for sharded in (False, True):
+            for ctas in (2, 32):
+                outs = emulated_call(wss, partials, _residual_args(res_full, N, T, sharded), bias, weight, None,
+                                     eps=1e-5, residual_in_sharded=sharded, residual_out_sharded=sharded,
+                                     num_ctas=ctas)
+                _sync()
+                _check(outs, partials, res_full, bias, weight, N, T, sharded)
+    assert set(cache) == before, f"{len(set(cache) - before)} kernels compiled or loaded at run time"
+
+
+@pytest.mark.parametrize("watched", [False, True])
+def test_ce_1000_back_to_back_calls(watched, seed):
+    """Rotating inputs, every call's output checked, no host sync between calls: a stale or
+    half-written row would show. Watched: the progress marks and the abort word in every call."""
     N, T, H, calls, sets = 2, 203, 1024, 1000, 7
-    dt = torch.bfloat16
-    wss = ce.emulated_workspaces(N, 128, H, (dt, dt, dt), device="cuda")
-    streams = _streams(N)
-    data = [_inputs(N, T, H, dt, dt, True, seed + i) for i in range(sets)]
+    wss = ce.emulated_workspaces(N, 128, H, (BF16,) * 3, device="cuda")
+    if watched:
+        Watchdog(timeout_s=600).watch(wss)
+    data = [_inputs(N, T, H, BF16, BF16, True, seed + i) for i in range(sets)]
     refs = [allreduce_add_rmsnorm_ref(p, r, b, w, eps=1e-5) for p, r, b, w in data]
+    res_args = [_residual_args(r, N, T, True) for _, r, _, _ in data]
     outs = []
     for i in range(calls):
-        p, r, b, w = data[i % sets]
-        outs.append(emulated_call(wss, streams, p, _residual_args(r, N, T, True), b, w, None, eps=1e-5,
-                                  residual_in_sharded=True, residual_out_sharded=True, num_ctas=4))
-    _sync(wss, deadline_s=120)
+        p, _, b, w = data[i % sets]
+        outs.append(emulated_call(wss, p, res_args[i % sets], b, w, None, eps=1e-5, residual_in_sharded=True,
+                                  residual_out_sharded=True, num_ctas=4))
+    _sync(deadline_s=120)
     S = -(-T // N)
     bad = []
     for i, o in enumerate(outs):
         y, acc = refs[i % sets]
         for rk, (normed, res_out) in enumerate(o):
             n = min(S, T - rk * S)
-            if not (torch.allclose(normed.double(), y, **TOL[dt])
-                    and torch.allclose(res_out[:n].double(), acc[rk * S:rk * S + n], **TOL[dt])):
+            if not (torch.allclose(normed.double(), y, **TOL[BF16])
+                    and torch.allclose(res_out[:n].double(), acc[rk * S:rk * S + n], **TOL[BF16])):
                 bad.append((i, rk))
     assert not bad, f"{len(bad)} wrong (call, rank) pairs, first {bad[:5]}"
+    if watched:
+        assert all(ws.mark.read() == program.done_mark(ws.calls - 1) for ws in wss)
 
 
 @pytest.mark.parametrize("sharded", [False, True])
-def test_ce_graph_replay_new_data(sharded, seed):
-    """Two consecutive calls per rank captured in one graph (all ranks' streams), replayed with new
-    inputs and poisoned outputs: flags reset themselves, so every replay is a full protocol."""
+@pytest.mark.parametrize("watched", [False, True])
+def test_ce_graph_replay_new_data(sharded, watched, seed):
+    """Three chained calls of both ranks captured in one graph, replayed with new inputs copied
+    into the captured buffers and every output poisoned first: flags reset themselves, so every
+    replay is a full protocol; each replay's outputs against the float64 oracle."""
     N, T, H = 2, 1001, 4096
-    dt = torch.bfloat16
-    wss = ce.emulated_workspaces(N, 512, H, (dt, dt, dt), device="cuda")
-    streams = _streams(N)
-    partials, res_full, bias, weight = _inputs(N, T, H, dt, dt, True, seed)
+    wss = ce.emulated_workspaces(N, 512, H, (BF16,) * 3, device="cuda")
+    if watched:
+        Watchdog(timeout_s=600).watch(wss)
+    partials, res_full, bias, weight = _inputs(N, T, H, BF16, BF16, True, seed)
     static_x = [p.clone() for p in partials]
     static_res = [t.clone() for t in _residual_args(res_full, N, T, sharded)]
-    kw = dict(eps=1e-5, residual_in_sharded=sharded, residual_out_sharded=sharded, num_ctas=8)
+    kw = dict(eps=1e-5, residual_in_sharded=sharded, residual_out_sharded=sharded)
 
-    def two_calls():
-        first = emulated_call(wss, streams, static_x, static_res, bias, weight, None, **kw)
-        # The second call reduces the first one's normed output (a chain, as layers are).
-        second = emulated_call(wss, streams, [o[0] for o in first], static_res, bias, weight, None, **kw)
-        return first, second
+    def three_calls():
+        calls = [emulated_call(wss, static_x, static_res, bias, weight, None, **kw)]
+        for _ in range(2):  # each reduces the previous call's normed output (a chain, as layers are)
+            calls.append(emulated_call(wss, [o[0] for o in calls[-1]], static_res, bias, weight, None, **kw))
+        return calls
 
-    two_calls()  # warm-up (Triton compile) outside capture
-    _sync(wss)
+    three_calls()  # warm-up (Triton compile) outside capture
+    _sync()
     g = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
-        first, second = two_calls()
+        calls = three_calls()
     torch.cuda.current_stream().wait_stream(side)
-    _sync(wss)
+    _sync()
     for rep in range(4):
-        partials, res_full, _, _ = _inputs(N, T, H, dt, dt, True, seed + 100 + rep)
+        partials, res_full, _, _ = _inputs(N, T, H, BF16, BF16, True, seed + 100 + rep)
         for r in range(N):
             static_x[r].copy_(partials[r])
         for dst, src in zip(static_res, _residual_args(res_full, N, T, sharded)):
             dst.copy_(src)
-        for o in first + second:
-            o[0].fill_(float("nan"))
-            o[1].fill_(float("nan"))
+        for outs in calls:
+            _poison(outs)
         g.replay()
-        _sync(wss)
-        _check(first, partials, res_full, bias, weight, N, T, sharded)
-        # Second call's inputs: every rank's first normed output (identical across ranks).
-        second_partials = [o[0] for o in first]
-        _check(second, second_partials, res_full, bias, weight, N, T, sharded)
+        _sync()
+        inputs = partials
+        for outs in calls:
+            _check(outs, inputs, res_full, bias, weight, N, T, sharded)
+            inputs = [o[0] for o in outs]  # every rank's normed output (identical across ranks)
         for ws in wss:
             assert int(ws.regions[ws.rank].flags.abs().sum()) == 0
 
 
-def _main() -> None:
-    """Script mode, without pytest:
-    ``python tests/kernels/test_copy_engine_gpu.py`` runs every case, printing one line each."""
-    import random
-    import sys
-    import traceback
+# ----------------------------------------------------------------------------- fresh processes
 
-    seed = random.randrange(2**31)
-    cases = [("memops_cross_stream_in_graph", test_stream_memops_cross_stream_in_graph, {})]
-    cases += [(f"float64 N={n} T={t} H={h} residual={r}", test_ce_emulated_matches_float64,
-               dict(N=n, T=t, H=h, residual=r, seed=seed))
-              for n in (2, 3) for t, h in [(1, 4096), (257, 3000), (4099, 4096), (130, 8192)]
-              for r in (None, "full", "sharded")]
-    cases += [(f"dtypes {d}", test_ce_emulated_dtypes_scale, dict(dtype=d[0], res_dtype=d[1], out_dtype=d[2], seed=seed))
-              for d in [(torch.float32,) * 3, (torch.bfloat16, torch.float32, torch.bfloat16),
-                        (torch.float16, torch.float16, torch.float32)]]
-    cases += [("1000 calls", test_ce_1000_back_to_back_calls, dict(seed=seed))]
-    cases += [(f"graph replay sharded={s}", test_ce_graph_replay_new_data, dict(sharded=s, seed=seed)) for s in (False, True)]
-    failed = 0
-    print(f"seed={seed}", flush=True)
-    for name, fn, kw in cases:
-        t0 = time.monotonic()
-        try:
-            fn(**kw)
-            print(f"PASS {name} ({time.monotonic() - t0:.1f} s)", flush=True)
-        except BaseException:  # pytest.fail raises an outcome exception, not an Exception
-            failed += 1
-            print(f"FAIL {name}\n{traceback.format_exc()[-3000:]}", flush=True)
-            if "did not finish" in traceback.format_exc():
-                break  # a stream is still blocked: what follows would hang
-    print(f"{failed} failed", flush=True)
-    sys.exit(1 if failed else 0)
+_COLD = r"""
+import faulthandler, sys, time
+faulthandler.dump_traceback_later(float(sys.argv[2]), exit=True)  # a deadlock prints every stack, exits
+import torch
+from weave_compile.kernels.ce import copy_engine as ce
+from weave_compile.kernels.reference import allreduce_add_rmsnorm_ref
+from weave_compile.kernels.spec import FusedSpec, Rows
+
+mode = sys.argv[1]
+N, T, H, dt = 2, 2 * 257, 4096, torch.bfloat16
+wss = ce.emulated_workspaces(N, 512, H, (dt,) * 3, device="cuda")
+g = torch.Generator(device="cuda").manual_seed(0)
+xs = [torch.randn(T, H, device="cuda", generator=g).to(dt) for _ in range(N)]
+res = torch.randn(T, H, device="cuda", generator=g).to(dt)
+w = (1 + 0.1 * torch.randn(H, device="cuda", generator=g)).to(dt)
+spec = FusedSpec(residual_dtype=dt, out_dtype=dt, eps=1e-5, comm_ctas=8)
+streams = [torch.cuda.Stream() for _ in range(N)]
+main = torch.cuda.current_stream()
+if mode == "per_rank":  # one rank's call after the other, as a one-rank-per-process caller would
+    for s in streams:
+        s.wait_stream(main)
+    outs = []
+    for r in range(N):
+        with torch.cuda.stream(streams[r]):
+            outs.append(ce.ce_call(wss[r], Rows(xs[r], res, None, w), spec)[:2])
+    for s in streams:
+        main.wait_stream(s)
+else:
+    outs = ce.emulated_run(wss, [Rows(x, res, None, w) for x in xs], spec, streams)
+ev = torch.cuda.Event()
+ev.record()
+t0 = time.monotonic()
+while not ev.query():
+    if time.monotonic() - t0 > 60:
+        print("device work blocked"); sys.exit(3)
+    time.sleep(0.001)
+y, acc = allreduce_add_rmsnorm_ref(xs, res, None, w, eps=1e-5)
+for normed, res_out in outs:
+    torch.testing.assert_close(normed.double(), y.double(), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(res_out.double(), acc.double(), atol=3e-2, rtol=3e-2)
+print("cold ok", mode)
+"""
+
+
+def _fresh_env(**extra):
+    env = dict(os.environ, CUDA_MODULE_LOADING="LAZY", CUDA_DEVICE_MAX_CONNECTIONS="32",
+               TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="weave-ce-triton-"), **extra)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(SRC), os.path.abspath(os.path.join(SRC, "..")),
+                                         env.get("PYTHONPATH", "")])
+    return env
+
+
+def _script(tmp_path, text: str) -> str:
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+@pytest.mark.parametrize("mode", ["per_rank", "emulated_run"])
+def test_cold_start_of_two_emulated_ranks_does_not_deadlock(tmp_path, mode):
+    """A fresh process (lazy module loading, empty Triton cache): the first calls of two emulated
+    ranks compile and load the add+norm kernel while nothing else is loaded. Calling one rank
+    after the other deadlocked (rank 0's stream waits for rank 1 while the host loads rank 0's
+    kernel, and the load waits for that stream); now ce_call loads an emulated rank's kernels
+    before it enqueues, and emulated_run is safe by construction."""
+    code, out = run_script(_script(tmp_path, _COLD), [mode, "150"], timeout=240, env=_fresh_env())
+    assert code == 0 and f"cold ok {mode}" in out, out[-6000:]
+
+
+_WATCHDOG = r"""
+import faulthandler, logging, sys, time
+faulthandler.dump_traceback_later(float(sys.argv[1]), exit=True)
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(name)s: %(message)s")
+import torch
+from weave_compile.kernels.ce import copy_engine as ce
+from weave_compile.kernels.ce.watchdog import Watchdog
+from weave_compile.kernels.spec import FusedSpec, Rows
+
+N, T, H, dt, TIMEOUT = 2, 1000, 4096, torch.bfloat16, 2.0
+wss = ce.emulated_workspaces(N, 512, H, (dt,) * 3, device="cuda")
+wd = Watchdog(timeout_s=TIMEOUT, poll_s=0.1).start()
+wd.watch(wss)
+x = torch.randn(T, H, device="cuda").to(dt)
+res = torch.randn(T, H, device="cuda").to(dt)
+w = torch.randn(H, device="cuda").to(dt)
+spec = FusedSpec(residual_dtype=dt, out_dtype=dt, eps=1e-5, comm_ctas=8)
+stream = torch.cuda.Stream()
+stream.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(stream):
+    normed, res_out, prog = ce.ce_call(wss[0], Rows(x, res, None, w), spec, run=False)
+    normed.fill_(7.0)
+    res_out.fill_(7.0)
+    ce.preload(prog)
+    ce.execute(prog, stream)  # rank 0 only: rank 1's call is never issued
+t0 = time.monotonic()
+ev = torch.cuda.Event()
+ev.record(stream)
+while not ev.query():
+    if time.monotonic() - t0 > 60:
+        print("STREAM STILL BLOCKED"); sys.exit(3)
+    time.sleep(0.01)
+elapsed = time.monotonic() - t0
+torch.cuda.current_stream().wait_stream(stream)
+assert torch.isnan(normed).all() and torch.isnan(res_out).all(), "outputs not poisoned"
+assert wss[0].failed and wss[1].failed
+assert int(wss[0].regions[0].abort) == 1 and int(wss[1].regions[1].abort) == 1
+for ws in wss:
+    try:
+        ce.ce_call(ws, Rows(x, res, None, w), spec)
+        print("NO ERROR ON THE NEXT CALL"); sys.exit(4)
+    except ce.CeAbortedError as e:
+        print("next call raised:", e)
+print(f"watchdog ok {elapsed:.2f}")
+"""
+
+
+def test_watchdog_a_peer_that_never_signals(tmp_path):
+    """Two emulated ranks, rank 1's call never issued: within the 2 s timeout (+ a poll) rank 0's
+    stream is released, its outputs are NaN, the error names group, rank, peer and flag, and the
+    next call of either rank raises. Under lazy module loading: the rescue launches no kernel."""
+    code, out = run_script(_script(tmp_path, _WATCHDOG), ["120"], timeout=240, env=_fresh_env())
+    assert code == 0 and "watchdog ok" in out, out[-6000:]
+    elapsed = float(out.split("watchdog ok ")[1].split()[0])
+    assert 1.9 <= elapsed <= 8.0, out[-3000:]
+    assert "ERROR" in out and "from rank 1" in out and "flag RS[1] of rank 0" in out, out[-3000:]
+    assert out.count("next call raised:") == 2
 
 
 if __name__ == "__main__":
-    _main()
-
-
-@pytest.mark.parametrize("cfg", [None, addnorm.LaunchConfig(2, 1, 16, True), addnorm.LaunchConfig(1, 1, 8, True),
-                                 addnorm.LaunchConfig(4, 1, 16, True)], ids=["default", "pf_r2w16", "pf_r1w8", "pf_r4w16"])
-@pytest.mark.parametrize("slots,H", [(1, 4096), (3, 3000)])
-@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
-def test_addnorm_kernel_shapes_match_the_torch_path(cfg, slots, H, with_bias, seed):
-    """The add+norm kernel (pipelined default and register-prefetched shapes) against its torch
-    path on the same inputs, poisoned outputs, a grid smaller than the row blocks; without a
-    bias the residual's padding rows are zero with no select in the kernel."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    n = 1001
-    x = torch.randn(n, H, device="cuda", generator=g).to(torch.bfloat16)
-    recv = torch.randn(slots, n + 7, H, device="cuda", generator=g).to(torch.bfloat16)
-    res = torch.randn(n, H, device="cuda", generator=g).to(torch.bfloat16)
-    bias = torch.randn(H, device="cuda", generator=g).to(torch.bfloat16) if with_bias else None
-    w = torch.randn(H, device="cuda", generator=g).to(torch.bfloat16)
-    outs = []
-    for force in (False, True):
-        normed = torch.full((n, H), float("nan"), device="cuda", dtype=torch.bfloat16)
-        res_out = torch.full((n + 3, H), float("nan"), device="cuda", dtype=torch.bfloat16)
-        addnorm.add_rmsnorm_rows(x, recv, res, bias, w, None, normed, res_out, n_valid=n, eps=1e-5,
-                                    mid_dtype=None, weight_offset=0.0, num_ctas=8, config=cfg, force_torch=force)
-        outs.append((normed, res_out))
-    _sync()
-    (kn, kr), (tn, tr) = outs
-    assert not torch.isnan(kn).any() and not torch.isnan(kr).any()
-    # fp32 sums in another order, then one rounding to bf16: the residual at most an ulp apart;
-    # the normed rows two (a residual an ulp off moves its normed element by about one, and the
-    # sum of squares is reduced in another order too)
-    assert _bf16_ulps(kr[:n], tr[:n]) <= 1
-    assert _bf16_ulps(kn, tn) <= 2
-    assert torch.all(kr[n:] == 0)
-
-
-def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest |a - b| in units in the last place of bf16 at ``b`` (8 significant bits)."""
-    _, e = torch.frexp(b.float())
-    ulp = torch.ldexp(torch.ones_like(b, dtype=torch.float32), e - 8)
-    return float(((a.float() - b.float()).abs() / ulp).max())
+    sys.exit(pytest.main([__file__, "-q"]))

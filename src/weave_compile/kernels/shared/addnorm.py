@@ -195,9 +195,12 @@ if HAS_TRITON:
                              HAS_BIAS or HAS_SCALE)
         tl.store(NORMED + rows[:, None] * stride_normed_row + cols[None, :], normed, mask=m)
 
-    @triton.jit
+    # The row counts are not specialized (a count of 1, or one divisible by 16, would otherwise be
+    # a binary of its own): a new token count must never compile or load a kernel at run time
+    # (ce loads every variant a site can launch at compile time; kernels/ce/program.py).
+    @triton.jit(do_not_specialize=["n_valid", "n_res_rows"])
     def _add_rmsnorm_rows_kernel(
-        X, RECV, RES_IN, BIAS, WEIGHT, SCALE, NORMED, RES_OUT,
+        X, RECV, RES_IN, BIAS, WEIGHT, SCALE, ABORT, NORMED, RES_OUT,
         n_valid, n_res_rows, stride_x_row, stride_recv_slot, stride_res_in_row, stride_normed_row,
         stride_res_out_row, eps, weight_offset,
         NUM_SLOTS: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_ROWS: tl.constexpr,
@@ -205,6 +208,7 @@ if HAS_TRITON:
         HAS_MID: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
         HAS_WEIGHT: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr = False,
         SLOTS_P2: tl.constexpr = 1, CHUNK: tl.constexpr = 0, DEPTH: tl.constexpr = 1,
+        HAS_ABORT: tl.constexpr = False,
     ):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
@@ -216,6 +220,11 @@ if HAS_TRITON:
         s = 1.0
         if HAS_SCALE:
             s = tl.load(SCALE).to(tl.float32)
+        if HAS_ABORT:
+            # A watchdog that released this call's waits set the word (kernels/ce/watchdog.py): the
+            # scale becomes NaN and so does every output; else it stays (x * 1.0 is exact).
+            nan = tl.full((1,), 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+            s = tl.sum(tl.where(tl.load(ABORT + tl.arange(0, 1)) != 0, nan, s), axis=0)
         num_blocks = (n_res_rows + BLOCK_ROWS - 1) // BLOCK_ROWS
         if CHUNK > 0:
             # One warp per row (rownorm.rowwise_group): row blocks of BLOCK_ROWS rows in chunks
@@ -240,8 +249,8 @@ if HAS_TRITON:
                     RES_OUT + (rows * stride_res_out_row)[:, None], (rows < n_res_rows)[:, None],
                     RES_OUT, m, NORMED + (rows * stride_normed_row)[:, None], NORMED, m, BIAS,
                     WEIGHT, s, eps, weight_offset, c, BLOCK_ROWS, HIDDEN, CHUNK, DEPTH, RES_DTYPE,
-                    OUT_DTYPE, MID_DTYPE, HAS_SCALE, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, HAS_MID,
-                    HAS_BIAS or HAS_SCALE, False, False)
+                    OUT_DTYPE, MID_DTYPE, HAS_SCALE or HAS_ABORT, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, HAS_MID,
+                    HAS_BIAS or HAS_SCALE or HAS_ABORT, False, False)
                 blk += nprog
         elif PREFETCH:
             # Registers double-buffered: block blk + nprog's loads are issued before block blk's
@@ -259,7 +268,8 @@ if HAS_TRITON:
                                                SLOTS_P2, HIDDEN, BLOCK_ROWS, HAS_RESIDUAL)
                 _block_finish(cx, crecv, cres, NORMED, RES_OUT, blk, n_valid, n_res_rows, stride_normed_row,
                               stride_res_out_row, eps, w, b, s, cols, cmask, BLOCK_ROWS, HIDDEN, RES_DTYPE,
-                              OUT_DTYPE, MID_DTYPE, HAS_MID, HAS_SCALE, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT)
+                              OUT_DTYPE, MID_DTYPE, HAS_MID, HAS_SCALE or HAS_ABORT, HAS_BIAS, HAS_RESIDUAL,
+                              HAS_WEIGHT)
                 blk += nprog
         elif INTERPRET:
             # Triton 3.6's interpreter cannot take runtime bounds in tl.range (numpy >= 2): same body.
@@ -268,7 +278,7 @@ if HAS_TRITON:
                 _row_block(X, RECV, RES_IN, NORMED, RES_OUT, blk, n_valid, n_res_rows, stride_x_row,
                            stride_recv_slot, stride_res_in_row, stride_normed_row, stride_res_out_row, eps, w, b,
                            s, cols, cmask, NUM_SLOTS, HIDDEN, BLOCK_ROWS, RES_DTYPE, OUT_DTYPE, MID_DTYPE,
-                           HAS_MID, HAS_SCALE, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT)
+                           HAS_MID, HAS_SCALE or HAS_ABORT, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT)
                 blk += nprog
         else:
             # Pipelined: the loads of the next row blocks are issued before this block's reduction.
@@ -276,7 +286,7 @@ if HAS_TRITON:
                 _row_block(X, RECV, RES_IN, NORMED, RES_OUT, blk, n_valid, n_res_rows, stride_x_row,
                            stride_recv_slot, stride_res_in_row, stride_normed_row, stride_res_out_row, eps, w, b,
                            s, cols, cmask, NUM_SLOTS, HIDDEN, BLOCK_ROWS, RES_DTYPE, OUT_DTYPE, MID_DTYPE,
-                           HAS_MID, HAS_SCALE, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT)
+                           HAS_MID, HAS_SCALE or HAS_ABORT, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT)
 
 else:  # pragma: no cover
     _add_rmsnorm_rows_kernel = None
@@ -305,25 +315,27 @@ def add_rmsnorm_rows(
     config: Optional[LaunchConfig] = None,
     force_torch: bool = False,
     preload: bool = False,
-) -> None:
+    abort: Optional[torch.Tensor] = None,
+):
     """Write ``normed[:n_valid]`` and ``res_out[:len(res_out)]`` (zeros past ``n_valid``).
 
     ``x`` [>= n_valid, H] (row stride free, unit column stride); ``recv`` [slots, >= n_valid, H]
-    contiguous rows, or None; ``residual`` [>= n_valid, H] or None; ``scale`` a 1-element tensor.
-    Rows of ``normed`` past ``n_valid`` are not touched.  ``preload``: compile and load the
-    kernel this call would launch (its module and function handles), launch nothing (see
-    :func:`weave_compile.kernels.ce.copy_engine.preload`).
+    contiguous rows, or None; ``residual`` [>= n_valid, H] or None; ``scale`` a 1-element tensor;
+    ``abort`` an int32 word or None: where it is not 0 every output is NaN (the ``ce`` watchdog's
+    poison). Rows of ``normed`` past ``n_valid`` are not touched. ``preload``: compile and load the
+    kernel this call would launch (its module and function handles), launch nothing, and return
+    it (see :mod:`weave_compile.kernels.ce.copy_engine`, "Deadlock freedom").
     """
     hidden = x.shape[-1]
     n_res_rows = res_out.shape[0]
     if n_res_rows == 0:
-        return
+        return None
     if force_torch or not use_triton(x.device):
         if preload:  # nothing to load: the torch path has no kernel of ours
-            return
+            return None
         _add_rmsnorm_rows_torch(x, recv, residual, bias, weight, scale, normed, res_out, n_valid=n_valid,
-                                eps=eps, mid_dtype=mid_dtype, weight_offset=weight_offset)
-        return
+                                eps=eps, mid_dtype=mid_dtype, weight_offset=weight_offset, abort=abort)
+        return None
     slots = 0 if recv is None else recv.shape[0]
     cfg = config or launch_config(
         hidden, slots=slots, elem_bytes=max(t.element_size() for t in (x, residual, recv) if t is not None),
@@ -335,10 +347,11 @@ def add_rmsnorm_rows(
             raise ValueError(f"add_rmsnorm_rows: {name} needs unit column stride")
     key = (hidden, slots, cfg, x.dtype, res_out.dtype, normed.dtype)
     cfg = _SHRUNK.get(key, cfg)
+    tensors = (x, recv, residual, bias, weight, scale, abort, normed, res_out)
     while True:
         try:
-            return _launch(x, recv, residual, bias, weight, scale, normed, res_out, n_valid, n_res_rows, eps,
-                           mid_dtype, weight_offset, num_ctas, cfg, slots, preload=preload)
+            return _launch(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, num_ctas, cfg, slots,
+                           preload=preload)
         except triton.runtime.errors.OutOfResources as e:
             if cfg.num_stages <= 1 or cfg.prefetch:
                 raise
@@ -350,33 +363,45 @@ def add_rmsnorm_rows(
 _SHRUNK: dict = {}  # launch shapes that did not fit -> the shape that did
 
 
-def _launch(x, recv, residual, bias, weight, scale, normed, res_out, n_valid, n_res_rows, eps, mid_dtype,
-            weight_offset, num_ctas, cfg, slots, preload=False) -> None:
+def kernel_args(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, cfg, slots) -> tuple[tuple, dict]:
+    """The add+norm kernel's ``(args, constexpr and launch keywords)`` for ``tensors`` = ``(x, recv,
+    residual, bias, weight, scale, abort, normed, res_out)`` (absent ones None)."""
+    x, recv, residual, bias, weight, scale, abort, normed, res_out = tensors
     hidden = x.shape[-1]
     dummy = x
-    grid = max(1, min(int(num_ctas), triton.cdiv(n_res_rows, cfg.block_rows)))
-    fn = _add_rmsnorm_rows_kernel.warmup if preload else _add_rmsnorm_rows_kernel[(grid,)]
-    compiled = fn(
-        x, recv if recv is not None else dummy, residual if residual is not None else dummy,
-        bias if bias is not None else dummy, weight if weight is not None else dummy,
-        scale if scale is not None else dummy, normed, res_out,
-        int(n_valid), int(n_res_rows), x.stride(0), recv.stride(0) if recv is not None else 0,
-        residual.stride(0) if residual is not None else 0, normed.stride(0), res_out.stride(0),
-        float(eps), float(weight_offset),
+    args = (x, recv if recv is not None else dummy, residual if residual is not None else dummy,
+            bias if bias is not None else dummy, weight if weight is not None else dummy,
+            scale if scale is not None else dummy, abort if abort is not None else dummy, normed, res_out,
+            int(n_valid), int(n_res_rows), x.stride(0), recv.stride(0) if recv is not None else 0,
+            residual.stride(0) if residual is not None else 0, normed.stride(0), res_out.stride(0),
+            float(eps), float(weight_offset))
+    kwargs = dict(
         NUM_SLOTS=slots, HIDDEN=hidden, BLOCK_H=next_pow2(hidden), BLOCK_ROWS=cfg.block_rows,
         NUM_STAGES=cfg.num_stages, RES_DTYPE=tl_dtype(res_out.dtype), OUT_DTYPE=tl_dtype(normed.dtype),
         MID_DTYPE=tl_dtype(mid_dtype if mid_dtype is not None else torch.float32),
         HAS_MID=mid_dtype is not None, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, INTERPRET=interpreting(),
         PREFETCH=bool(cfg.prefetch), SLOTS_P2=next_pow2(max(1, slots)), CHUNK=int(cfg.chunk),
-        DEPTH=int(cfg.depth),
-        num_warps=cfg.num_warps, num_stages=1, **({"grid": (grid,)} if preload else {}))
-    if preload and hasattr(compiled, "_init_handles"):
+        DEPTH=int(cfg.depth), HAS_ABORT=abort is not None, num_warps=cfg.num_warps, num_stages=1)
+    return args, kwargs
+
+
+def _launch(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, num_ctas, cfg, slots, preload=False):
+    args, kwargs = kernel_args(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, cfg, slots)
+    grid = max(1, min(int(num_ctas), triton.cdiv(n_res_rows, cfg.block_rows)))
+    if not preload:
+        _add_rmsnorm_rows_kernel[(grid,)](*args, **kwargs)
+        return None
+    compiled = _add_rmsnorm_rows_kernel.warmup(*args, grid=(grid,), **kwargs)
+    if hasattr(compiled, "result"):  # compiled asynchronously
+        compiled = compiled.result()
+    if hasattr(compiled, "_init_handles"):
         compiled._init_handles()  # cuModuleLoadData + cuModuleGetFunction now, not at the launch
+    return compiled
 
 
 def _add_rmsnorm_rows_torch(x, recv, residual, bias, weight, scale, normed, res_out, *, n_valid, eps,
-                            mid_dtype, weight_offset) -> None:
+                            mid_dtype, weight_offset, abort=None) -> None:
     """The kernel's math with torch ops (CPU simulation path)."""
     from weave_compile.rows import norm_rows
 
@@ -385,6 +410,8 @@ def _add_rmsnorm_rows_torch(x, recv, residual, bias, weight, scale, normed, res_
         acc = acc + recv[:, :n_valid].float().sum(0)
     if scale is not None:
         acc = acc * scale.float().reshape(())
+    if abort is not None:  # NaN everywhere once a watchdog set the word (no host sync: a select)
+        acc = acc * torch.where(abort.reshape(()) != 0, float("nan"), 1.0)
     if bias is not None:
         acc = acc + bias.float()
     if residual is not None:
