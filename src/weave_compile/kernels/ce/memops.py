@@ -139,7 +139,14 @@ def new_streams(device: torch.device, count: int) -> list:
 class HostWords:
     """``n`` int32 words of page-locked host memory that the device writes (stream write-values)
     and the host reads with plain loads: a view that no stream, and so no blocked stream, delays.
-    On CPU (the simulation) an ordinary tensor."""
+    On CPU (the simulation) an ordinary tensor.
+
+    Whether a stream write-value may target host memory depends on the platform (one H200 in a
+    VM answered ``CUDA_ERROR_INVALID_VALUE`` for ``cuMemHostAlloc`` memory), so the words are
+    probed when made: memory from ``cuMemHostAlloc``, then ordinary memory pinned with
+    ``cuMemHostRegister``, each written once from a stream and read back; the first that works is
+    kept, and where none does the constructor raises (the caller then leaves the waits unbounded,
+    with the reason logged)."""
 
     def __init__(self, n: int, device: torch.device):
         self._host = None
@@ -147,16 +154,49 @@ class HostWords:
             self.tensor = torch.zeros(n, dtype=torch.int32)
             self.device_ptr = self.tensor.data_ptr()
             return
-        cu = driver()
+        failures = []
         with torch.cuda.device(device):
             torch.cuda.current_stream()  # the primary context is current on this thread
-            # cuda.h: CU_MEMHOSTALLOC_PORTABLE 0x01, CU_MEMHOSTALLOC_DEVICEMAP 0x02
-            flags = getattr(cu, "CU_MEMHOSTALLOC_PORTABLE", 0x01) | getattr(cu, "CU_MEMHOSTALLOC_DEVICEMAP", 0x02)
-            host = int(check(cu.cuMemHostAlloc(4 * n, flags), "cuMemHostAlloc"))
-            self.device_ptr = int(check(cu.cuMemHostGetDevicePointer(host, 0), "cuMemHostGetDevicePointer"))
-        self._host = (ctypes.c_int32 * n).from_address(host)  # kept: the memory lives as long as this object
+            for make in (self._allocated, self._registered):
+                try:
+                    host, self.device_ptr, self._keep = make(n)
+                    self._host = (ctypes.c_int32 * n).from_address(host)
+                    self._probe(device)
+                    break
+                except RuntimeError as e:
+                    failures.append(f"{make.__name__.strip('_')}: {e}")
+                    self._host = None
+            else:
+                raise RuntimeError("no host-mapped word the device can write with a stream write-value ("
+                                   + "; ".join(failures) + ")")
         self.tensor = torch.frombuffer(self._host, dtype=torch.int32)
         self.tensor.zero_()
+
+    @staticmethod
+    def _allocated(n: int):
+        cu = driver()
+        # cuda.h: CU_MEMHOSTALLOC_PORTABLE 0x01, CU_MEMHOSTALLOC_DEVICEMAP 0x02
+        flags = getattr(cu, "CU_MEMHOSTALLOC_PORTABLE", 0x01) | getattr(cu, "CU_MEMHOSTALLOC_DEVICEMAP", 0x02)
+        host = int(check(cu.cuMemHostAlloc(4 * n, flags), "cuMemHostAlloc"))
+        return host, int(check(cu.cuMemHostGetDevicePointer(host, 0), "cuMemHostGetDevicePointer")), None
+
+    @staticmethod
+    def _registered(n: int):
+        cu = driver()
+        page = 4096
+        buf = (ctypes.c_char * (2 * page + 4 * n))()  # kept alive by the object
+        host = (ctypes.addressof(buf) + page - 1) // page * page
+        # cuda.h: CU_MEMHOSTREGISTER_PORTABLE 0x01, CU_MEMHOSTREGISTER_DEVICEMAP 0x02
+        check(cu.cuMemHostRegister(host, page, 0x01 | 0x02), "cuMemHostRegister")
+        return host, int(check(cu.cuMemHostGetDevicePointer(host, 0), "cuMemHostGetDevicePointer")), buf
+
+    def _probe(self, device: torch.device) -> None:
+        self._host[0] = 0
+        s = torch.cuda.Stream(device)
+        write(s, self.device_ptr, 0x5A5A, fence=False)
+        s.synchronize()
+        if self._host[0] != 0x5A5A:
+            raise RuntimeError(f"a stream write-value did not reach the host word (read {self._host[0]})")
 
     def read(self, i: int = 0) -> int:
         return int(self.tensor[i])
