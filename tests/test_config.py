@@ -150,3 +150,11 @@ def test_options_pass_through_and_cache_key_changes():
 def test_non_dict_options_rejected(given):
     with pytest.raises(TypeError, match="dict or weave_compile.Options"):
         Options.from_options(given)
+
+
+def test_choices_are_the_literal_values():
+    assert Options.choices("kernel") == list(typing.get_args(HINTS["kernel"])) and "p2p" in Options.choices("kernel")
+    assert Options.choices("comm_ctas") is None
+    for name in FIELDS:
+        if Options.choices(name):
+            assert getattr(Options(), name) in Options.choices(name)

@@ -98,6 +98,13 @@ class Options:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
+    def choices(cls, name: str) -> list[str] | None:
+        """The values option ``name`` accepts where they are a fixed set of names (for a CLI's
+        ``choices=``), else None."""
+        hint = get_type_hints(cls)[name]
+        return list(get_args(hint)) if get_origin(hint) is Literal else None
+
+    @classmethod
     def from_options(cls, options: dict[str, Any] | Options | None) -> Options:
         """``options`` as given to ``torch.compile``: None, a dict of fields, or an ``Options``."""
         if options is None:
