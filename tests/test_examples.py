@@ -49,6 +49,7 @@ def _results(out):
     return rows
 
 
+@pytest.mark.slow
 def test_hf_tp_example_on_2_cpu_ranks():
     """Gemma3 tiny: sandwich norms, (1 + w), the scaled vocab-parallel embedding, q/k norms."""
     out = _run("hf_tp.py", "--arch", "gemma3").stdout

@@ -1,5 +1,6 @@
 """Masked attention (Hugging Face's form) splits; a mask that is not causal fails loudly."""
 
+import pytest
 import torch
 
 from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
@@ -32,6 +33,7 @@ def _hf(rank, world_size, seed):
     return errs, text, raised
 
 
+@pytest.mark.slow
 def test_hf_llama_masked_attention_splits_and_a_non_causal_mask_fails_loudly(seed):
     for errs, text, raised in assert_ranks_ok(run_ranks(_hf, 2, args=(seed,), timeout=900)):
         assert max(errs) < 1e-5, errs
