@@ -25,6 +25,9 @@ for every variant, eager included (``--phases decode`` alone skips prefill); ``-
 writes those rows to ``DIR/hf_decode_<arch>_<size>.csv`` (GPU, torch/triton versions, commit,
 date) and a PNG. Prefill: medians of ``--iters`` runs timed with CUDA events after ``--warmup``.
 ``--csv PATH`` appends one row per (phase, T, variant) with the GPU, versions, commit and date.
+On CPU nothing is timed unless ``--time`` is given, and only ``tokenweave`` runs by default (the
+eager model is the reference every row is compared with). The explain report lists every graph
+the ``tokenweave`` variant compiled, labelled with the prefill T or the decode batch it was for.
 
     torchrun --nproc-per-node 2 examples/hf_tp.py --size 8b --phases decode --decode-out benchmarks/results
     python examples/hf_tp.py --phases decode --decode-context 16 --decode-batches 1 3 --decode-out /tmp/d
@@ -125,7 +128,7 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     def out_of(o) -> torch.Tensor:
         return o.last_hidden_state if args.target == "model" else o.logits
 
-    rows, reports = [], {}
+    rows, reports = [], []  # reports: the tokenweave graphs, labelled
     base = dict(arch=args.arch, size=args.size, layers=cfg.num_hidden_layers, batch=args.batch, dtype=str(dtype),
                 world=world_size)
     prefill = "prefill" in args.phases
@@ -155,14 +158,10 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> dict:
                         torch.cuda.synchronize()
                     compile_s = time.perf_counter() - t0
                     max_abs, rel = _diff(out, refs[T])
-                    ms = float("nan")
-                    if timing:
-                        ms = _bench(lambda: fn(ids, **kwargs), args.warmup, args.iters, cuda)
-                rep = weave_compile.explain() if variant == "tokenweave" else None
-                if rep is not None:
-                    reports[f"prefill T={T}"] = str(rep)
+                    ms = _bench(lambda: fn(ids, **kwargs), args.warmup, args.iters, cuda) if timing else None
+                rep = _new_graphs(reports, f"prefill T={T}" + (" (dynamic T)" if args.dynamic else ""), variant)
                 rows.append(_row(base, "prefill", T, variant, ms, compile_s, max_abs, rel, rep))
-                _progress(rank, f"{step}/{steps} prefill T={T} {variant}: {ms:.3f} ms, first call "
+                _progress(rank, f"{step}/{steps} prefill T={T} {variant}: {_ms(ms)}, first call "
                                 f"{compile_s:.1f} s, max |out - eager| {max_abs:.3g} (rel {rel:.2g})")
         if "decode" in args.phases:
             rows += _decode(rank, model, args, base, reports, cuda, timing, step, steps)
@@ -184,7 +183,6 @@ def _decode(rank, model, args, base, reports, cuda, timing, step, steps) -> list
     import contextlib
 
     import transformers
-    import weave_compile
     from weave_compile.testing.hf import ARCHS, prompt, without_all_reduce
 
     cfg, device = model.config, next(model.parameters()).device
@@ -222,18 +220,36 @@ def _decode(rank, model, args, base, reports, cuda, timing, step, steps) -> list
                     torch.cuda.synchronize()
                 compile_s = time.perf_counter() - t0
                 max_abs, rel = _diff(logits, ref)
-                ms = float("nan")
+                ms = None
                 if cuda:
                     ms = _graph_timer(args)(run, args.iters) / 1e3
                 elif timing:
                     ms = _bench(run, args.warmup, args.iters, cuda)
-            rep = weave_compile.explain() if variant == "tokenweave" else None
-            if rep is not None:
-                reports[f"decode ctx={ctx_len} batch={b}"] = str(rep)
-            rows.append(_row(dict(base, batch=b), f"decode@{ctx_len}", b, variant, ms, compile_s, max_abs, rel, rep))
-            _progress(rank, f"{step}/{steps} decode batch={b} {variant}: {ms:.3f} ms, max |logits - eager| "
+            rep = _new_graphs(reports, f"decode batch={b} (+{ctx_len} cached)", variant)
+            rows.append(_row(dict(base, batch=b), f"decode@{ctx_len}", 1, variant, ms, compile_s, max_abs, rel, rep))
+            _progress(rank, f"{step}/{steps} decode batch={b} {variant}: {_ms(ms)}, max |logits - eager| "
                             f"{max_abs:.3g} (rel {rel:.2g})")
     return rows
+
+
+def _new_graphs(reports: list, label: str, variant: str):
+    """The explain report of the graphs the last call compiled, each added to ``reports`` with
+    ``label`` (None for other variants). The explain report holds every graph since the last
+    ``weave_compile.reset()``: the new ones are those not in ``reports`` yet. A call that compiled
+    nothing (``--dynamic`` after the first T) ran the graph compiled last."""
+    import weave_compile
+    from weave_compile.report import WeaveReport
+
+    if variant != "tokenweave":
+        return None
+    seen = {id(g) for _, g in reports}
+    new = [g for g in weave_compile.explain().graphs if id(g) not in seen]
+    reports += [(label, g) for g in new]
+    return WeaveReport(graphs=new or [g for _, g in reports[-1:]])
+
+
+def _ms(ms: Optional[float]) -> str:
+    return "not timed" if ms is None else f"{ms:.3f} ms"
 
 
 def _graph_timer(args):
@@ -243,9 +259,10 @@ def _graph_timer(args):
     return Timer(repeats=5, warmup=args.warmup, graph=True)
 
 
-def _row(base: dict, phase: str, tokens: int, variant: str, ms: float, compile_s: float, max_abs: float,
+def _row(base: dict, phase: str, tokens: int, variant: str, ms: Optional[float], compile_s: float, max_abs: float,
          rel: float, rep) -> dict:
-    """One result row; ``rep`` (the explain report) only for the tokenweave variant."""
+    """One result row: ``tokens`` per sequence, ``ms`` None where not timed; ``rep`` (the explain
+    report) only for the tokenweave variant."""
     row = dict(base, tokens=tokens, phase=phase, variant=variant, ms=ms, compile_s=compile_s, max_abs_diff=max_abs,
                rel_err=rel, fused_sites="", all_reduce_sites="", kernel="")
     if rep is not None:
@@ -266,19 +283,32 @@ def _commit() -> str:
 
 
 def _report(result: dict, args: argparse.Namespace) -> None:
-    by_text: dict[str, list[str]] = {}
-    for key, text in result["reports"].items():
-        by_text.setdefault(text, []).append(key)
-    for text, keys in by_text.items():
-        print(f"== tokenweave explain ({', '.join(keys)})\n{text}\n")
-    header = (f"{'phase':<14} {'T':>6} {'variant':<11} {'ms':>10} {'first call s':>12} {'max|diff|':>10} "
-              f"{'rel err':>9}")
-    print(header)
-    print("-" * len(header))
-    for r in result["rows"]:
-        print(f"{r['phase']:<14} {r['tokens']:>6} {r['variant']:<11} {r['ms']:>10.3f} {r['compile_s']:>12.1f} "
-              f"{r['max_abs_diff']:>10.3g} {r['rel_err']:>9.2g}")
-    print("(diff: against the eager TP model, decode: its eager step; nocomm's is expected to be large)")
+    import dataclasses
+
+    from weave_compile.report import WeaveReport
+
+    graphs = [dataclasses.replace(g, graph_id=i, label=label) for i, (label, g) in enumerate(result["reports"])]
+    if graphs:
+        print(f"== tokenweave explain: every graph it compiled\n{WeaveReport(graphs=graphs)}\n")
+    rows = result["rows"]
+    timed = any(r["ms"] is not None for r in rows)
+    columns = [("phase", "<7", lambda r: r["phase"].split("@")[0]), ("batch", ">5", lambda r: r["batch"]),
+               ("tokens", ">6", lambda r: r["tokens"]),
+               ("cached", ">6", lambda r: r["phase"].split("@")[1] if "@" in r["phase"] else "-"),
+               ("variant", "<10", lambda r: r["variant"])]
+    if timed:
+        columns.append(("ms", ">9", lambda r: "-" if r["ms"] is None else f"{r['ms']:.3f}"))
+    columns += [("first call s", ">12", lambda r: f"{r['compile_s']:.1f}"),
+                ("max|diff|", ">10", lambda r: "reference" if r["variant"] == "eager" else f"{r['max_abs_diff']:.3g}"),
+                ("rel err", ">8", lambda r: "-" if r["variant"] == "eager" else f"{r['rel_err']:.2g}")]
+    table = [[name for name, _, _ in columns]] + [[str(get(r)) for _, _, get in columns] for r in rows]
+    lines = ["  ".join(f"{cell:{align}}" for cell, (_, align, _) in zip(cells, columns)) for cells in table]
+    print("\n".join([lines[0], "-" * len(lines[0])] + lines[1:]))
+    print("tokens: per sequence; diff: against the eager TP model (decode: its eager step)")
+    if any(r["variant"] == "nocomm" for r in rows):
+        print("nocomm drops every all_reduce: its diff is expected to be large")
+    if not timed:
+        print("ms: not timed on CPU (--time times it)")
     decode_rows = [r for r in result["rows"] if r["phase"].startswith("decode")]
     if args.decode_out and decode_rows:
         _write_decode(decode_rows, args)
@@ -320,11 +350,14 @@ def _write_decode(rows: list[dict], args: argparse.Namespace) -> None:
     default = {r["batch"]: r["ms"] for r in rows if r["variant"] == "default"}
     out = []
     for r in rows:
-        x = r["ms"] / default[r["batch"]] if default.get(r["batch"]) else float("nan")
+        x = r["ms"] / default[r["batch"]] if default.get(r["batch"]) and r["ms"] is not None else None
         out.append({**info, **{k: r[k] for k in DECODE_COLUMNS if k in r}, "x_default": x})
     stem = os.path.join(args.decode_out, f"hf_decode_{args.arch}_{args.size}")
     write_csv(stem + ".csv", out, DECODE_COLUMNS)
     print(f"wrote {stem}.csv")
+    if all(r["ms"] is None for r in out):
+        print("nothing timed (--time times it on CPU): no plot")
+        return
     try:
         import matplotlib
 
@@ -335,7 +368,7 @@ def _write_decode(rows: list[dict], args: argparse.Namespace) -> None:
         return
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for variant in dict.fromkeys(r["variant"] for r in out):
-        pts = sorted((r["batch"], r["ms"]) for r in out if r["variant"] == variant)
+        pts = sorted((r["batch"], r["ms"]) for r in out if r["variant"] == variant and r["ms"] is not None)
         ax.plot([b for b, _ in pts], [m for _, m in pts], marker="o", label=variant)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("decode batch (sequences, 1 new token each)")
@@ -350,6 +383,7 @@ def _write_decode(rows: list[dict], args: argparse.Namespace) -> None:
 
 
 def _parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    from weave_compile.config import Options
     from weave_compile.testing.hf import ARCHS, SIZES
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -359,7 +393,8 @@ def _parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, nargs="+", default=[37], help="prefill tokens per sequence, one or more")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=None,
-                   help="default: all on GPU; eager tokenweave on CPU")
+                   help="default: all on GPU or with --time; tokenweave alone on CPU (the eager model is "
+                        "the reference in every case)")
     p.add_argument("--phases", nargs="+", choices=("prefill", "decode"), default=["prefill"],
                    help="prefill (use_cache=False) and/or one decode step with a static KV cache")
     p.add_argument("--decode", action="store_true", help="shorthand: add the decode phase")
@@ -371,9 +406,8 @@ def _parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--target", choices=("model", "causal_lm"), default="model",
                    help="prefill: the decoder stack (default) or the whole causal LM with logits of the last token")
     p.add_argument("--dynamic", action="store_true", help="mark the token dim dynamic: one compile per variant")
-    from weave_compile.config import valid_kernels
-
-    p.add_argument("--kernel", default="auto", choices=valid_kernels(), help="tokenweave fused-op kernel")
+    p.add_argument("--kernel", default="auto", choices=Options.choices("kernel"),
+                   help="tokenweave fused-op kernel (the kernel option; default auto)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="default bfloat16 on GPU, float32 on CPU")
     p.add_argument("--fx-cache", action="store_true",
@@ -389,7 +423,7 @@ def _parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args.launched = "torchrun" if "RANK" in os.environ else "spawn"
     if args.variants is None:
         gpu = args.launched == "torchrun" and torch.cuda.is_available()
-        args.variants = list(VARIANTS) if gpu or args.time else ["eager", "tokenweave"]
+        args.variants = list(VARIANTS) if gpu or args.time else ["tokenweave"]
     if args.decode and "decode" not in args.phases:
         args.phases.append("decode")
     return args

@@ -21,17 +21,45 @@ def test_backend_found_by_name_in_a_fresh_interpreter_without_importing_the_pack
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
-def test_unknown_option_is_a_clear_error_through_torch_compile():
+def _compile_and_call(options, fullgraph=False):
     torch._dynamo.reset()
-    with pytest.raises(Exception) as e:
-        torch.compile(lambda x: x * 2, backend="tokenweave", options={"comm_cta": 4})(torch.ones(3))
-    assert "comm_cta" in str(e.value) and "valid keys" in str(e.value) and "comm_ctas" in str(e.value)
+    return torch.compile(nn.Linear(4, 4), backend="tokenweave", options=options, fullgraph=fullgraph)(torch.ones(3, 4))
 
 
-def test_wrong_option_type_is_a_clear_error_through_torch_compile():
-    torch._dynamo.reset()
-    with pytest.raises(Exception, match="'comm_ctas' must be int"):
-        torch.compile(lambda x: x * 2, backend="tokenweave", options={"comm_ctas": "8"})(torch.ones(3))
+@pytest.mark.parametrize("fullgraph", [False, True])
+@pytest.mark.parametrize("options,error,message", [
+    ({"kernel": "bogus"}, ValueError, "option 'kernel' must be one of ["),
+    ({"comm_ctas": 0}, ValueError, "option 'comm_ctas' must be in [1, 32], got 0"),
+    ({"comm_ctas": "8"}, TypeError, "option 'comm_ctas' must be int, got str '8'"),
+    ({"split": "yes"}, TypeError, "option 'split' must be bool, got str 'yes'"),
+    ({"comm_cta": 4}, ValueError, "unknown tokenweave option(s) ['comm_cta'] ('comm_cta': did you mean 'comm_ctas'?)"),
+])
+def test_a_bad_dict_raises_the_options_own_error_at_the_first_call(options, error, message, fullgraph):
+    """Not Dynamo's BackendCompilerFailed: the ValueError/TypeError Options(...) raises, same message."""
+    from weave_compile.config import Options
+
+    with pytest.raises(error) as built:
+        Options.from_options(options)
+    with pytest.raises(error) as compiled:
+        _compile_and_call(options, fullgraph)
+    assert not isinstance(compiled.value, torch._dynamo.exc.BackendCompilerFailed)
+    assert str(compiled.value) == str(built.value) and message in str(compiled.value), str(compiled.value)
+    # The traceback ends in the backend's check, not in Dynamo's frames.
+    assert compiled.traceback[-1].frame.code.name == "_config"
+
+
+def test_options_object_reaches_the_backend_through_torch_compile():
+    """torch.compile hands a non-dict options object to the backend as it is (no copy, no iteration)."""
+    import weave_compile
+
+    weave_compile.reset()
+    out = _compile_and_call(weave_compile.Options(compiler="aot_eager", kernel="reference"))
+    assert out.shape == (3, 4)
+    graphs = weave_compile.explain().graphs
+    assert [g.compiler for g in graphs] == ["aot_eager"], graphs
+    weave_compile.reset()
+    _compile_and_call({"compiler": "aot_eager"})  # a plain dict still works
+    assert [g.compiler for g in weave_compile.explain().graphs] == ["aot_eager"]
 
 
 class NoCollectives(nn.Module):

@@ -1,31 +1,77 @@
-"""The examples run end to end as a user runs them (2 CPU ranks over gloo)."""
+"""The examples run end to end as a user runs them (2 CPU ranks over gloo), and print what a person reads."""
 
 import os
 import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_quickstart_on_2_cpu_ranks():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "quickstart.py"), "--tokens", "19"],
+def _run(script, *args):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *args],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _readable(out):
+    assert "nan" not in out.split(), out
+    wide = [line for line in out.splitlines() if len(line) > 100]
+    assert not wide, "\n".join(wide)
+
+
+def test_quickstart_on_2_cpu_ranks():
+    proc = _run("quickstart.py", "--tokens", "19")
     out = proc.stdout
     assert "spawning 2 CPU ranks" in out
     # 2 layers: 2 sites each plus the vocab-parallel embedding's all_reduce, all fused.
     assert "5 all_reduce site(s), 5 fused" in out, out
     diff = float(re.search(r"max \|compiled - eager\| = ([0-9.e+-]+)", out).group(1))
     assert diff < 1e-4, out
+    assert "Warning" not in proc.stderr, proc.stderr
+    _readable(out)
 
 
+def _results(out):
+    """The results table's rows as dicts keyed by its header."""
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("phase "))
+    names = re.split(r"\s{2,}", lines[head].strip())
+    rows = []
+    for line in lines[head + 2:]:
+        cells = line.split()
+        if len(cells) != len(names):
+            break
+        rows.append(dict(zip(names, cells)))
+    return rows
+
+
+@pytest.mark.slow
 def test_hf_tp_example_on_2_cpu_ranks():
     """Gemma3 tiny: sandwich norms, (1 + w), the scaled vocab-parallel embedding, q/k norms."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "hf_tp.py"), "--arch", "gemma3"],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = proc.stdout
+    out = _run("hf_tp.py", "--arch", "gemma3").stdout
     assert "5 all_reduce site(s), 5 fused" in out, out
-    row = re.search(r"prefill\s+\d+ tokenweave\s+\S+\s+\S+\s+(\S+)\s+(\S+)", out)
-    assert row is not None and float(row.group(2)) < 1e-5, out
+    assert re.search(r"^graph 0 prefill T=37 \[inductor\]", out, re.M), out
+    rows = _results(out)
+    assert [(r["phase"], r["batch"], r["tokens"], r["variant"]) for r in rows] == [
+        ("prefill", "1", "37", "tokenweave")], out  # no eager row compared with itself
+    assert float(rows[0]["max|diff|"]) < 1e-5, out
+    assert "ms" not in rows[0] and "ms: not timed on CPU" in out, out
+    _readable(out)
+
+
+@pytest.mark.slow
+def test_hf_tp_example_decode_reports_each_batch_once():
+    out = _run("hf_tp.py", "--arch", "qwen3", "--phases", "decode", "--decode-context", "16",
+               "--decode-batches", "1", "3").stdout
+    assert "tokenweave: 2 graph(s), 8 all_reduce site(s), 8 fused" in out, out
+    labels = re.findall(r"^graph (\d) (.*) \[inductor\]", out, re.M)
+    assert labels == [("0", "decode batch=1 (+16 cached)"), ("1", "decode batch=3 (+16 cached)")], out
+    rows = _results(out)
+    assert [(r["phase"], r["batch"], r["tokens"], r["cached"]) for r in rows] == [
+        ("decode", "1", "1", "16"), ("decode", "3", "1", "16")], out
+    assert all(float(r["max|diff|"]) < 1e-4 for r in rows), out
+    _readable(out)

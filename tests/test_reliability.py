@@ -142,6 +142,7 @@ def test_two_ranks_correct(correct_2, name):
     _check(correct_2, name, dtype, expect_fused=2 if layout == "size-1 group" else 3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES_3))
 def test_three_ranks_correct(correct_3, name):
     results, _, _ = correct_3

@@ -1,5 +1,6 @@
 """The explain report: rows, text, the JSON round trip (FX-graph-cache hits) and the process-wide list."""
 
+import dataclasses
 import json
 
 import pytest
@@ -51,16 +52,47 @@ def test_explain_text_lists_graphs_counts_split_and_sites():
     assert rep.matched_count == 1 and len(rep.sites) == 2
     lines = str(rep).splitlines()
     assert lines[0] == "tokenweave: 2 graph(s), 2 all_reduce site(s), 1 fused"
-    assert lines[1] == ("graph 0 [aot_eager]: a note (all_reduce 2->1, weave.allreduce_add_rmsnorm 0->1)")
-    assert lines[2].startswith("  split 40 tokens at 20")
-    assert lines[3].split() == ["site", "group", "fused", "form", "/", "reason", "kernel", "residual", "split",
-                                "output"]
-    assert lines[4].split()[:3] == ["all_reduce", "0", "yes"]
-    assert lines[5].split()[:3] == ["all_reduce_1", "0", "no"]
-    assert lines[6] == "graph 1 [inductor]: no process group initialized: passes not run"
+    assert lines[1] == "graph 0 [aot_eager]: a note"
+    assert lines[2] == "  ops before->after: all_reduce 2->1, weave.allreduce_add_rmsnorm 0->1"
+    assert lines[3].startswith("  split 40 tokens at 20")
+    # Both sites are in group 0: that column is listed once above the table.
+    assert lines[4:6] == ["  same at every site:", "    group  0"]
+    assert lines[6].split() == ["site", "fused", "form", "/", "reason", "kernel", "residual", "split", "output"]
+    assert lines[7].split() == ["all_reduce", "yes", "all_reduce", "+residual", "->", "rmsnorm", "reference", "[1]",
+                                "out", "sharded", "per", "half,", "comm", "stream", "copied", "[2]"]
+    assert lines[8].split()[:2] == ["all_reduce_1", "no"]
+    # A cell's "(why)" is a numbered note under the table.
+    assert lines[9:11] == ["  [1] requested", "  [2] output_in_place off"]
+    assert lines[11] == "graph 1 [inductor]: no process group initialized: passes not run"
     # Columns line up: every row's second column starts where the header's does.
-    col = lines[3].index("group")
-    assert all(line[col - 2:col] == "  " for line in lines[4:6])
+    col = lines[6].index("fused")
+    assert all(line[col - 2:col] == "  " and line[col] != " " for line in lines[7:9])
+
+
+def test_op_counts_absent_before_and_after_are_left_out():
+    g = _graph()
+    g.op_counts["weave.allreduce_add_rmsnorm_start"] = (0, 0)
+    assert str(report.explain()).splitlines()[2] == (
+        "  ops before->after: all_reduce 2->1, weave.allreduce_add_rmsnorm 0->1")
+
+
+def test_columns_shared_by_every_site_are_listed_once_and_a_label_follows_the_id():
+    g = _graph()
+    g.label = "decode batch=8"
+    g.sites[1] = dataclasses.replace(g.sites[0], node="all_reduce_1", residual="in+out sharded")
+    text = str(report.explain())
+    lines = text.splitlines()
+    assert lines[1].startswith("graph 0 decode batch=8 [aot_eager]: a note")
+    shared = lines[lines.index("  same at every site:") + 1:]
+    assert [line.split()[0] for line in shared[:6]] == ["group", "fused", "form", "kernel", "split", "output"]
+    # a shared cell's "(why)" is a numbered note under the table too (reasons can be long)
+    assert shared[3] == "    kernel         reference [1]"
+    assert shared[6].split() == ["site", "residual"]
+    assert shared[7].split() == ["all_reduce", "out", "sharded"] and shared[8].split()[0] == "all_reduce_1"
+    assert "  [1] requested" in shared
+    # A single site keeps every column in its row.
+    g.sites = g.sites[:1]
+    assert "same at every site" not in str(report.explain())
 
 
 def test_json_round_trip_keeps_sites_counts_and_the_typed_split():
@@ -95,7 +127,8 @@ def test_a_graph_run_as_written_says_why_and_counts_no_fused_site():
     assert g.matched_count == 0 and rep.matched_count == 0 and len(rep.sites) == 2  # the sites stay listed
     lines = str(rep).splitlines()
     assert lines[0] == "tokenweave: 2 graph(s), 2 all_reduce site(s), 0 fused"
-    assert lines[2] == ("  runs with its collectives as written, like plain Inductor: process group [0, 1]: "
+    assert lines[3] == ("  runs with its collectives as written, like plain Inductor: process group [0, 1]: "
                         "its ranks compiled different graphs")
-    assert lines[5].split()[:5] == ["all_reduce", "0", "no", "(as", "written)"]
-    assert lines[6].split()[:3] == ["all_reduce_1", "0", "no"]
+    rows = {line.split()[0]: line for line in lines if line.split() and line.split()[0].startswith("all_reduce")}
+    assert rows["all_reduce"].split()[1:4] == ["no", "(as", "written)"]  # fused, but run as written
+    assert rows["all_reduce_1"].split()[1] == "no"  # never fused

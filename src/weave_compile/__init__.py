@@ -1,12 +1,14 @@
 """weave_compile: TokenWeave (fused AllReduce-RMSNorm, token-split overlap) as a torch.compile backend.
 
-Use it with ``torch.compile(model, backend="tokenweave", options={...})``; see README.md.
+Use it with ``torch.compile(model, backend="tokenweave", options=weave_compile.Options(...))``
+(``Options`` checks every option when built; a plain dict is checked when the first call
+compiles); see README.md.
 """
 
-from weave_compile.config import TokenWeaveConfig
+from weave_compile.config import Options, TokenWeaveConfig
 from weave_compile.report import explain, reset
 
-__all__ = ["TokenWeaveConfig", "explain", "reset", "tokenweave_backend"]
+__all__ = ["Options", "TokenWeaveConfig", "explain", "reset", "tokenweave_backend"]
 
 
 def __getattr__(name):

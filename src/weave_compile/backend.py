@@ -8,6 +8,7 @@ compute. Without an initialized process group it is exactly the default Inductor
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch._dynamo.exc import ShortenTraceback
 
 from weave_compile import agreement
 from weave_compile import report as report_mod
@@ -30,7 +32,7 @@ def tokenweave_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
     """``torch.compile`` hands us ``options=`` or ``mode=`` (Inductor's modes: "reduce-overhead"
     turns on CUDA graphs, "max-autotune" autotuning), never both: with options, the mode is the
     ``mode`` option."""
-    config = TokenWeaveConfig.from_options(options)
+    config = _config(options)
     mode = mode or config.mode
     inductor_patches: dict[str, Any] = {}
     if mode != "default":
@@ -71,6 +73,43 @@ def _as_written(gm, example_inputs, config: TokenWeaveConfig, inductor_patches: 
             return _compile(gm, inputs, config, None, inductor_patches)
 
     return compile_now
+
+
+class _CallersOptionError(ShortenTraceback):
+    """A bad option given to ``torch.compile`` as a dict, raised past Dynamo as the caller's error.
+
+    Dynamo wraps whatever a backend raises in ``BackendCompilerFailed``, a ``RuntimeError`` that
+    reads as a compiler bug, except a ``ShortenTraceback``: that one it re-raises as it is, its
+    traceback cut to ``first_useful_frame`` (Inductor surfaces ``TritonMissing`` this way). A bad
+    option is the caller's mistake, so it reaches them as the ``ValueError``/``TypeError`` that
+    ``Options(...)`` raises, with the same message.
+    """
+
+    def __init__(self, message: str, frame) -> None:
+        super().__init__(message, first_useful_frame=frame)
+        self.message = message
+
+    def __str__(self) -> str:
+        # Dynamo appends "Set TORCHDYNAMO_VERBOSE=1 ... especially if you're reporting a bug to
+        # PyTorch" to the args of what it lets through: for the caller's own mistake, it misleads.
+        return self.message
+
+
+class OptionValueError(_CallersOptionError, ValueError):
+    pass
+
+
+class OptionTypeError(_CallersOptionError, TypeError):
+    pass
+
+
+def _config(options) -> TokenWeaveConfig:
+    """``options`` (None, a dict or an ``Options``) as an ``Options``; see :class:`_CallersOptionError`."""
+    try:
+        return TokenWeaveConfig.from_options(options)
+    except (ValueError, TypeError) as e:
+        kind = OptionValueError if isinstance(e, ValueError) else OptionTypeError
+        raise kind(str(e), inspect.currentframe()) from None
 
 
 def _compile(gm, example_inputs, config: TokenWeaveConfig, passes: Optional[WeavePassManager],

@@ -1,17 +1,27 @@
 """Typed options of the ``tokenweave`` backend.
 
-``torch.compile(model, backend="tokenweave", options={...})`` hands the dict to
-:meth:`TokenWeaveConfig.from_options`, which rejects unknown keys with an error that lists
-every valid key (a misspelt option must never be silently ignored), and a wrong type or an
-out-of-range value with an error that names the option, what it accepts and what was given.
+:class:`Options` is a frozen dataclass that checks every field when it is built: a wrong type
+raises ``TypeError`` and an out-of-range value ``ValueError``, each naming the option, what it
+accepts and what was given. Build one to validate options before compiling::
+
+    opts = weave_compile.Options(kernel="p2p", split=True)   # raises here if wrong
+    torch.compile(model, backend="tokenweave", options=opts)
+
+``torch.compile`` hands ``options`` to the backend unchanged (it only pops its own keys from a
+dict), so a plain dict works too: the backend turns it into :class:`Options` through
+:meth:`Options.from_options`, which also rejects unknown keys with the list of valid ones (a
+misspelt option must never be silently ignored). A dict is only seen when the first call
+compiles; ``backend.py`` says how its errors reach the caller.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
-from typing import Any, Literal, get_args, get_type_hints
+import types
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 Compiler = Literal["inductor", "aot_eager"]
 SplitCost = Literal["measured", "formula"]
@@ -19,8 +29,11 @@ Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cu
 
 
 @dataclasses.dataclass(frozen=True)
-class TokenWeaveConfig:
-    """Options of the ``tokenweave`` backend. Every field is documented in README.md."""
+class Options:
+    """Options of the ``tokenweave`` backend, checked when built (README.md lists them).
+
+    ``dataclasses.replace(opts, split=False)`` gives a changed copy, checked again.
+    """
 
     #: Rewrite ``all_reduce -> (+bias) -> (+residual) -> RMSNorm`` into one fused op.
     fuse: bool = True
@@ -95,20 +108,29 @@ class TokenWeaveConfig:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
-    def from_options(cls, options: dict[str, Any] | TokenWeaveConfig | None) -> TokenWeaveConfig:
+    def choices(cls, name: str) -> list[str] | None:
+        """The values option ``name`` accepts where they are a fixed set of names (for a CLI's
+        ``choices=``), else None."""
+        if name == "kernel":  # the registry's names, not a Literal
+            return valid_kernels()
+        hint = get_type_hints(cls)[name]
+        return list(get_args(hint)) if get_origin(hint) is Literal else None
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any] | Options | None) -> Options:
+        """``options`` as given to ``torch.compile``: None, a dict of fields, or an ``Options``."""
         if options is None:
             return cls()
         if isinstance(options, cls):
             return options
         if not isinstance(options, dict):
-            raise TypeError(
-                f"tokenweave options must be a dict or TokenWeaveConfig, got {type(options).__name__}"
-            )
+            raise TypeError(f"tokenweave options must be a dict or weave_compile.Options, got "
+                            f"{type(options).__name__} {options!r}")
         unknown = sorted(set(options) - set(cls.valid_keys()))
         if unknown:
-            raise ValueError(
-                f"unknown tokenweave option(s) {unknown}; valid keys: {cls.valid_keys()}"
-            )
+            close = {k: difflib.get_close_matches(k, cls.valid_keys(), n=1) for k in unknown}
+            hints = "".join(f" ({k!r}: did you mean {m[0]!r}?)" for k, m in close.items() if m)
+            raise ValueError(f"unknown tokenweave option(s) {unknown}{hints}; valid keys: {cls.valid_keys()}")
         return cls(**options)
 
     def cache_key(self) -> str:
@@ -124,16 +146,30 @@ def valid_kernels() -> list[str]:
     return [registry.AUTO, *registry.names()]
 
 
+#: Backward-compatible name of :class:`Options`.
+TokenWeaveConfig = Options
+
+
 def _check_type(name: str, value: Any, hint: Any) -> None:
-    allowed = get_args(hint)
-    if allowed and all(isinstance(a, str) for a in allowed):  # a Literal of strings
+    """``TypeError`` unless ``value`` has the field's type; ``ValueError`` for a string outside a
+    ``Literal``'s values. Generic over the type hint, so a new field needs no new code here."""
+    if get_origin(hint) is Literal:
+        allowed = list(get_args(hint))
+        if not isinstance(value, str):
+            raise TypeError(f"tokenweave option {name!r} must be str, one of {allowed}, got "
+                            f"{type(value).__name__} {value!r}")
         if value not in allowed:
-            raise ValueError(f"tokenweave option {name!r} must be one of {list(allowed)}, got {value!r}")
+            raise ValueError(f"tokenweave option {name!r} must be one of {allowed}, got {value!r}")
         return
-    # bool is a subclass of int: an int option given True is a mistake, not a 1.
-    if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise TypeError(f"tokenweave option {name!r} must be int, got {type(value).__name__} {value!r}")
-    if hint is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise TypeError(f"tokenweave option {name!r} must be float, got {type(value).__name__} {value!r}")
-    if hint is bool and not isinstance(value, bool):
-        raise TypeError(f"tokenweave option {name!r} must be bool, got {type(value).__name__} {value!r}")
+    if get_origin(hint) in (Union, types.UnionType):  # Optional[X]
+        if value is None and type(None) in get_args(hint):
+            return
+        kinds = tuple(a for a in get_args(hint) if a is not type(None))
+        hint = kinds[0] if len(kinds) == 1 else kinds
+    # bool is a subclass of int: an int option given True is a mistake, not a 1; a float option
+    # takes an int (a whole number of seconds is still a number of seconds).
+    accepted = (int, float) if hint is float else hint
+    wrong_bool = isinstance(value, bool) and hint is not bool
+    if wrong_bool or not isinstance(value, accepted):
+        want = hint.__name__ if isinstance(hint, type) else " or ".join(h.__name__ for h in hint)
+        raise TypeError(f"tokenweave option {name!r} must be {want}, got {type(value).__name__} {value!r}")

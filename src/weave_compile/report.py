@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import threading
 from typing import Optional
 
@@ -70,6 +71,8 @@ class GraphReport:
     split: Optional[SplitSummary] = None
     #: why the graph runs with its collectives as written (the ranks disagreed), "" if rewritten
     as_written: str = ""
+    #: what the caller compiled this graph for (e.g. "decode batch=8"), shown after its id
+    label: str = ""
 
     @property
     def matched_count(self) -> int:
@@ -99,20 +102,45 @@ class WeaveReport:
         lines = [f"tokenweave: {len(self.graphs)} graph(s), {len(self.sites)} all_reduce site(s), "
                  f"{self.matched_count} fused"]
         for g in self.graphs:
-            counts = ", ".join(f"{k} {a}->{b}" for k, (a, b) in g.op_counts.items())
-            lines.append(f"graph {g.graph_id} [{g.compiler}]" + (f": {g.note}" if g.note else "")
-                         + (f" ({counts})" if counts else ""))
+            lines.append(f"graph {g.graph_id}" + (f" {g.label}" if g.label else "") + f" [{g.compiler}]"
+                         + (f": {g.note}" if g.note else ""))
+            counts = ", ".join(f"{k} {a}->{b}" for k, (a, b) in g.op_counts.items() if (a, b) != (0, 0))
+            if counts:
+                lines.append(f"  ops before->after: {counts}")
             if g.as_written:
                 lines.append(f"  runs with its collectives as written, like plain Inductor: {g.as_written}")
             if g.split is not None:
                 lines.append("  " + g.split.describe())
-            rows = [header] + [s.row(bool(g.as_written)) for s in g.sites]
-            if len(rows) == 1:
-                continue
-            widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-            for r in rows:
-                lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+            lines += _site_table(header, [s.row(bool(g.as_written)) for s in g.sites])
         return "\n".join(lines)
+
+
+#: columns whose cells may end in "(why)": in a table, the why becomes a numbered note under it
+_NOTED = ("kernel", "residual", "output")
+_WHY = re.compile(r"^(.+?) \((.+)\)$")
+
+
+def _site_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """The sites as a table, kept narrow: a column with one value at every site (of two or more) is
+    listed once above it, and a "(why)" in a kernel, residual or output cell is a note below it."""
+    if not rows:
+        return []
+    same = [i for i in range(1, len(header)) if len(rows) > 1 and len({r[i] for r in rows}) == 1]
+    width = max((len(header[i]) for i in same), default=0)
+    notes: dict[str, int] = {}
+
+    def cell(i: int, text: str) -> str:
+        why = _WHY.match(text) if header[i] in _NOTED else None
+        return text if why is None else f"{why.group(1)} [{notes.setdefault(why.group(2), len(notes) + 1)}]"
+
+    lines = (["  same at every site:"] if same else []) + [f"    {header[i].ljust(width)}  {cell(i, rows[0][i])}"
+                                                           for i in same]
+
+    keep = [i for i in range(len(header)) if i not in same]
+    table = [[header[i] for i in keep]] + [[cell(i, r[i]) for i in keep] for r in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(keep))]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
+    return lines + [f"  [{n}] {why}" for why, n in notes.items()]
 
 
 def graph_to_json(g: GraphReport) -> dict:

@@ -55,7 +55,7 @@ def _run(rank, world, seed):
     return outs
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_nccl_kernel_matches_float64(world):
     seed = random.randrange(2**31)
     results = assert_ranks_ok(run_ranks(_run, world, args=(seed,), timeout=240))

@@ -247,7 +247,7 @@ def _sim_rank(rank, world, files, groups, seed):
 
 
 @requires_triton
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_oneshot_in_cpu_interpreter(world, tmp_path, monkeypatch, seed):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the spawned ranks inherit it before importing triton
     monkeypatch.setenv("WEAVE_SYMM_SPIN_LIMIT", str(1 << 16))  # a lost row fails instead of hanging

@@ -20,6 +20,7 @@ import torch
 from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
 
 # transformers' from_pretrained(..., tp_plan=...) refuses to run without accelerate (a test extra).
+pytestmark = pytest.mark.slow  # save_pretrained, from_pretrained and generate() twice per batch
 pytest.importorskip("accelerate", reason="from_pretrained(tp_plan=...) needs accelerate (pip install -e '.[test]')")
 
 LAYERS = 2

@@ -53,6 +53,10 @@ import torch
 from weave_compile.testing.hf import ARCHS
 from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
 
+# Every phase compiles 13 models on 2 ranks: minutes on CPU (the fast tier covers testing/hf.py
+# through tests/passes/split_tokens/test_dead_work.py).
+pytestmark = pytest.mark.slow
+
 WORLD = 2
 LAYERS = 2
 BATCH, TOKENS = 3, 5  # 15 rows: odd, so the fused op pads one rank's shard

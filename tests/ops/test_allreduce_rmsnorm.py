@@ -153,6 +153,7 @@ def _start_then_wait(rank, world_size, seed):
     return torch.equal(normed, want[0]) and torch.equal(res_out, want[1])
 
 
+@pytest.mark.slow
 def test_start_then_wait_equals_the_fused_op_on_cpu(seed):
     """On CPU start computes synchronously and wait is a no-op."""
     assert all(assert_ranks_ok(run_ranks(_start_then_wait, 2, args=(seed,), timeout=120)))

@@ -5,6 +5,7 @@ returns plain data; the assertions run in the test process.
 """
 
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -59,6 +60,7 @@ def _llama_forms(rank, world_size, seed):
     return out
 
 
+@pytest.mark.slow
 def test_llama_forms_all_sites_fused_and_match_eager(seed):
     results = assert_ranks_ok(run_ranks(_llama_forms, WORLD, args=(seed,), timeout=400))
     expected = expected_fused_sites(LlamaDims(layers=2), WORLD)
@@ -89,6 +91,7 @@ def _inductor_numerics(rank, world_size, seed):
     return out
 
 
+@pytest.mark.slow
 def test_inductor_compiled_matches_eager_static_and_dynamic(seed):
     results = assert_ranks_ok(run_ranks(_inductor_numerics, WORLD, args=(seed,), timeout=600))
     expected = expected_fused_sites(LlamaDims(layers=2), WORLD)
@@ -157,6 +160,7 @@ def _frontends(rank, world_size, seed):
     return out
 
 
+@pytest.mark.slow
 def test_funcol_and_dtensor_on_a_2d_mesh_subgroup(seed):
     results = assert_ranks_ok(run_ranks(_frontends, WORLD, args=(seed,), timeout=300))
     for r in results:
@@ -261,6 +265,7 @@ def _scaled(rank, world_size, seed):
     return _compile_and_compare(ScaledSite(32, 2.5), [(x,)], "aot_eager")
 
 
+@pytest.mark.slow
 def test_scaled_site_is_fused(seed):
     for r in assert_ranks_ok(run_ranks(_scaled, WORLD, args=(seed,), timeout=300)):
         assert r["matched"] == 1, r["text"]
@@ -296,6 +301,7 @@ def _dynamic_quickstart(rank, world_size, seed):
     return out
 
 
+@pytest.mark.slow
 def test_dynamic_true_fuses_every_site_of_the_quickstart_model(seed):
     expected = expected_fused_sites(LlamaDims(layers=2), WORLD)
     for r in assert_ranks_ok(run_ranks(_dynamic_quickstart, WORLD, args=(seed,), timeout=900)):

@@ -13,6 +13,7 @@ stays in lockstep too.
 import dataclasses
 import random
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -222,12 +223,14 @@ def _property(rank, world, seed, compiler, max_examples):
     return len(checked)
 
 
+@pytest.mark.slow
 def test_generated_programs_aot_eager():
     seed = random.randrange(2**31)
     counts = assert_ranks_ok(run_ranks(_property, WORLD, args=(seed, "aot_eager", 40), timeout=600))
     assert counts[0] >= 40, f"seed={seed}: only {counts[0]} examples ran"
 
 
+@pytest.mark.slow
 def test_generated_programs_inductor():
     seed = random.randrange(2**31)
     counts = assert_ranks_ok(run_ranks(_property, WORLD, args=(seed, "inductor", 4), timeout=600))

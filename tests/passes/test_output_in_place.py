@@ -428,6 +428,7 @@ def _inductor_with_the_ring(rank, world_size, seed, device="cpu"):
     return out
 
 
+@pytest.mark.slow
 def test_inductor_with_outputs_in_an_emulated_ring_matches_eager(seed):
     """The whole stack under Inductor (its scheduling, recomputation and reinplacing) with the
     ring's aliasing emulated on CPU: a wrong proof shows up as a wrong number here."""

@@ -90,6 +90,7 @@ def _alternating_groups(rank, world_size, options):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [4, 3])
 def test_residual_is_gathered_between_sites_over_different_ranks(world_size):
     """Issue 13: the 2x2 mesh gave max error 1.7, the 3-rank chain a collective size mismatch.

@@ -61,6 +61,7 @@ def test_pointer_tables_list_every_ranks_regions_and_pads():
         ranks.run(lambda r, ws: None)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 @pytest.mark.parametrize("world", [2, 3, 4])  # 4: the peers' tile of the prefetch loop is padded (3 -> 4)
 def test_push_kernel_through_emulated_ranks_in_cpu_interpreter(world):

@@ -189,7 +189,7 @@ def test_public_launcher_rejects_bad_arguments(monkeypatch):
 
 
 @requires_triton
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_kernel_in_cpu_interpreter(world):
     """Runs the real push and pull kernels under TRITON_INTERPRET=1, one process per rank."""
     env = dict(os.environ, TRITON_INTERPRET="1")

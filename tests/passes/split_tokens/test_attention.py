@@ -1,6 +1,7 @@
 """Attention under the split: masked attention (Hugging Face's form) splits and a mask that is not
 causal fails loudly; the suffix's op reads the halves' keys with their kv heads, unconcatenated."""
 
+import pytest
 import torch
 
 from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
@@ -33,6 +34,7 @@ def _hf(rank, world_size, seed):
     return errs, text, raised
 
 
+@pytest.mark.slow
 def test_hf_llama_masked_attention_splits_and_a_non_causal_mask_fails_loudly(seed):
     for errs, text, raised in assert_ranks_ok(run_ranks(_hf, 2, args=(seed,), timeout=900)):
         assert max(errs) < 1e-5, errs

@@ -45,7 +45,7 @@ def _count(rank, world_size, arch, seed):
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_split_hf_model_runs_each_gemm_at_most_twice(arch, seed):
     for res in assert_ranks_ok(run_ranks(_count, 2, args=(arch, seed), timeout=600)):
         plain, split = res[False], res[True]

@@ -3,6 +3,7 @@ the forced one, and the tile-aligned near-half Inductor carries for a symbolic t
 
 import re
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -66,6 +67,7 @@ def _plans(rank, world_size, seed):
     return out
 
 
+@pytest.mark.slow
 def test_plan_in_explain_and_near_half_for_symbolic_lengths(seed):
     for res in assert_ranks_ok(run_ranks(_plans, 2, args=(seed,), timeout=900)):
         for t, err, _ in res["dynamic"]:

@@ -1,5 +1,6 @@
 """The token split end to end: the same numbers as the unsplit graph and eager, for every length."""
 
+import pytest
 import torch
 
 from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
@@ -29,6 +30,7 @@ def _equivalence(rank, world_size, seed):
     return errs, graphs
 
 
+@pytest.mark.slow
 def test_split_matches_unsplit_and_eager_dynamic_lengths(seed):
     for errs, graphs in assert_ranks_ok(run_ranks(_equivalence, 2, args=(seed,), timeout=900)):
         for b, t, vs_eager, vs_plain in errs:
