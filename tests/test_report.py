@@ -132,3 +132,15 @@ def test_a_graph_run_as_written_says_why_and_counts_no_fused_site():
     rows = {line.split()[0]: line for line in lines if line.split() and line.split()[0].startswith("all_reduce")}
     assert rows["all_reduce"].split()[1:4] == ["no", "(as", "written)"]  # fused, but run as written
     assert rows["all_reduce_1"].split()[1] == "no"  # never fused
+
+
+def test_a_long_note_wraps_within_100_columns():
+    g = _graph()
+    why = "; ".join(f"reason number {i} why this implementation cannot run at this site" for i in range(4))
+    g.sites[0] = dataclasses.replace(g.sites[0], kernel_reason=why)
+    lines = str(report.explain()).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("  [1] "))
+    note = lines[start:start + 3]
+    assert all(len(line) <= 100 for line in note) and all(line.startswith("      ") for line in note[1:]), note
+    wrapped = [note[0][6:]] + [line.strip() for line in note[1:]]
+    assert " ".join(wrapped).startswith(why)  # the whole reason, in order

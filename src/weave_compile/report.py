@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import textwrap
 import threading
 from typing import Optional
 
@@ -140,7 +141,9 @@ def _site_table(header: list[str], rows: list[list[str]]) -> list[str]:
     table = [[header[i] for i in keep]] + [[cell(i, r[i]) for i in keep] for r in rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(keep))]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
-    return lines + [f"  [{n}] {why}" for why, n in notes.items()]
+    # notes wrap at 100 columns (a reason can name several implementations' reasons)
+    return lines + [textwrap.fill(why, 100, initial_indent=f"  [{n}] ", subsequent_indent=" " * (len(str(n)) + 5),
+                                  break_long_words=False, break_on_hyphens=False) for why, n in notes.items()]
 
 
 def graph_to_json(g: GraphReport) -> dict:
