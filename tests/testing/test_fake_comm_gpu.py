@@ -103,6 +103,7 @@ def _full_residual(res0, T, sharded):
 # ----------------------------------------------------------------------------- pacing
 
 
+@pytest.mark.timing
 def test_calibration_is_plausible(pacer_cal):
     _, cal = pacer_cal
     for name, line in (("h2d", cal.h2d), ("d2h", cal.d2h)):
@@ -110,6 +111,7 @@ def test_calibration_is_plausible(pacer_cal):
     assert cal.d2d.gbps > 300 and cal.d2d.latency_us < 50, cal.describe()
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("direction", [pacing.H2D, pacing.D2H])
 def test_a_pace_lasts_what_it_is_to_last(direction, pacer_cal):
     pacer, cal = pacer_cal
@@ -210,26 +212,35 @@ def test_rehearse_with_the_peers_kernel_matches_float64_in_a_graph(sharded, pace
             assert int(ws.regions[ws.rank].flags.abs().sum()) == 0
 
 
-def test_rehearse_paced_keeps_rank0s_rows_and_takes_the_links_time(pacer_cal, seed):
+def _paced_rehearsal(pacer_cal, seed, link: float = 370.0, n: int = 10):
+    """Rank 0's rows from ``n`` paced rehearsal calls replayed in one CUDA graph, checked against
+    float64; returns (microseconds per call, the link time of its two transfers, the calibration)."""
     pacer, cal = pacer_cal
-    T, H, link = 8192, 4096, 370.0
+    T, H = 8192, 4096
     fc = FakeComm("rehearse", 2, Rehearsal(link_gbps=link), cal, pacer, None)
     xs, res0, weight, bias = _inputs(seed, T, H, True)
-    n = 10
     g, outs = _graph(lambda: [fc.run(Rows(xs[0], res0, bias, weight), _spec(True, ctas=32)) for _ in range(n)])
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record()
     g.replay()
     e.record()
     _sync()
-    per_call = s.elapsed_time(e) * 1e3 / n
     S = T // 2
     y, acc = allreduce_add_rmsnorm_ref([xs[0], xs[0]], torch.cat([res0, res0]), bias, weight, eps=1e-5)
     torch.testing.assert_close(outs[-1][0][:S].double(), y[:S].double(), **TOL[BF16])
     torch.testing.assert_close(outs[-1][1].double(), acc[:S].double(), **TOL[BF16])
     # Rank 0's path: its push, (its add+norm), its pull of the peer's rows: two transfers at the
-    # link rate at least; the local copies alone would take a fifth of that.
-    link_us = 2 * S * H * 2 / (link * 1e3)
+    # link rate; the local copies alone would take a fifth of that.
+    return s.elapsed_time(e) * 1e3 / n, 2 * S * H * 2 / (link * 1e3), cal
+
+
+def test_rehearse_paced_keeps_rank0s_rows(pacer_cal, seed):
+    _paced_rehearsal(pacer_cal, seed)
+
+
+@pytest.mark.timing
+def test_rehearse_paced_takes_the_links_time(pacer_cal, seed):
+    per_call, link_us, cal = _paced_rehearsal(pacer_cal, seed)
     assert per_call >= 0.9 * link_us, (per_call, link_us, cal.describe())
     assert per_call <= 3 * link_us + 200, (per_call, link_us, cal.describe())
 
