@@ -71,6 +71,12 @@ every point) and a PNG (left: each variant over default, over nocomm where defau
 right: the sweep, star = smart split), and prints each T's ratios with the targets. A point that
 hangs (a stream wait never released) ends the run after ``--watchdog-s`` with every thread's stack.
 Never enables NVLink multicast.
+
+``--profile``: after timing each point, one more forward under torch.profiler, summarized by
+``kernel_timeline.summarize`` (times per layer, kernel counts per forward: wall, time with a
+compute kernel running, idle time when none ran, time per kind of kernel) into ``<csv
+name>_profile.csv``: whether a variant is slower because its kernels take longer or because its
+compute streams wait.
 """
 
 from __future__ import annotations
@@ -83,6 +89,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Timer, meta as run_meta, write_csv  # noqa: E402  (keeps NVLink multicast off)
+import kernel_timeline  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -239,6 +246,7 @@ def main() -> None:
     ap.add_argument("--peer-skew-us", type=float, default=0.0, help="--rehearse: the peer starts each op later")
     ap.add_argument("--norm-gbps-per-cta", type=float, default=None,
                     help="--rehearse: the peer's add+norm rate (default: the measured table)")
+    ap.add_argument("--profile", action="store_true", help="also profile one forward per point (kernel_timeline)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--watchdog-s", type=float, default=900.0, help="end the run (stacks printed) when one "
@@ -286,6 +294,7 @@ def main() -> None:
     sweep_ts = {int(v) for v in args.sweep.split(",") if v}
     ts = [int(v) for v in args.tokens.split(",")]
     failed: list[str] = []
+    prof_rows: list[dict] = []
     check = PointCheck(fake)
     for variant in variants:
         kind, design, offset, ctas = parse_variant(variant)
@@ -342,6 +351,15 @@ def main() -> None:
                 print(f"{variant:12s} T={t:6d} split_at={at}: {ms:.4f} ms/layer, {sum(counts.values())} kernels "
                       f"({pointwise(counts)} pointwise) per forward, design {ran}", flush=True)
                 write_csv(path, rows, COLUMNS)  # after every point: a timeout keeps what was measured
+            if args.profile:
+                with torch.no_grad():
+                    prof = kernel_timeline.profile_once(lambda: c(x))
+                per_layer = {k: round(v / args.layers, 1) if k.endswith("_us") else v for k, v in prof.items()}
+                prof_rows.append({**rows[-1], **per_layer})
+                if rank == 0:
+                    print("   profile per layer: " + ", ".join(f"{k} {v}" for k, v in per_layer.items()), flush=True)
+                    write_csv(os.path.join(args.out, name + "_profile.csv"), prof_rows,
+                              COLUMNS + kernel_timeline.COLUMNS)
         c = model = None
         torch.cuda.empty_cache()
     if rank == 0:
