@@ -353,11 +353,14 @@ def main() -> None:
                 write_csv(path, rows, COLUMNS)  # after every point: a timeout keeps what was measured
             if args.profile:
                 with torch.no_grad():
-                    prof = kernel_timeline.profile_once(lambda: c(x))
+                    prof = kernel_timeline.profile_once(lambda: c(x), top=12)
+                top = prof.pop("top")
                 per_layer = {k: round(v / args.layers, 1) if k.endswith("_us") else v for k, v in prof.items()}
                 prof_rows.append({**rows[-1], **per_layer})
                 if rank == 0:
                     print("   profile per layer: " + ", ".join(f"{k} {v}" for k, v in per_layer.items()), flush=True)
+                    for kind, kname, us, n in top:  # per forward, for the log
+                        print(f"     {kind:9s} {us:9.1f} us {n:4d}x {kname[:150]}", flush=True)
                     write_csv(os.path.join(args.out, name + "_profile.csv"), prof_rows,
                               COLUMNS + kernel_timeline.COLUMNS)
         c = model = None

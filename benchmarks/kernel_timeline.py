@@ -78,8 +78,25 @@ def summarize(events: list[dict]) -> dict:
     return {k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}
 
 
-def profile_once(fn) -> dict:
-    """Run ``fn()`` once under torch.profiler (CUDA activity) and :func:`summarize` its trace."""
+def by_name(events: list[dict], top: int = 10) -> list[tuple[str, str, float, int]]:
+    """The ``top`` kernels and copies by summed duration: (kind, name, microseconds, count)."""
+    sums: dict[str, list] = {}
+    for e in events:
+        cat = e.get("cat", "")
+        if cat not in ("kernel",) + COPY_CATEGORIES:
+            continue
+        name = e.get("name", "")
+        kind = "memcpy" if cat in COPY_CATEGORIES else kind_of(name)
+        entry = sums.setdefault(name, [kind, 0.0, 0])
+        entry[1] += float(e.get("dur", 0.0))
+        entry[2] += 1
+    ranked = sorted(sums.items(), key=lambda kv: -kv[1][1])[:top]
+    return [(kind, name, round(us, 1), n) for name, (kind, us, n) in ranked]
+
+
+def profile_once(fn, top: int = 0) -> dict:
+    """Run ``fn()`` once under torch.profiler (CUDA activity) and :func:`summarize` its trace;
+    with ``top``, the row's ``"top"`` holds :func:`by_name`'s list (not a CSV column)."""
     import torch
 
     torch.cuda.synchronize()
@@ -91,4 +108,7 @@ def profile_once(fn) -> dict:
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f)["traceEvents"]
-    return summarize(events)
+    row = summarize(events)
+    if top:
+        row["top"] = by_name(events, top)
+    return row

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
-from kernel_timeline import kind_of, summarize  # noqa: E402
+from kernel_timeline import by_name, kind_of, summarize  # noqa: E402
 
 
 def test_kinds_of_real_kernel_names():
@@ -60,3 +60,14 @@ def test_busy_idle_and_kinds_of_a_known_timeline(seed):
 def test_a_trace_without_gpu_events_is_an_error():
     with pytest.raises(ValueError, match="no GPU kernel"):
         summarize([{"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}])
+
+
+def test_by_name_sums_each_kernel_and_ranks_them():
+    events = [{"cat": "kernel", "name": "nvjet_a", "ts": 0, "dur": 5.0},
+              {"cat": "kernel", "name": "fmha_b", "ts": 5, "dur": 7.0},
+              {"cat": "kernel", "name": "nvjet_a", "ts": 12, "dur": 4.0},
+              {"cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 16, "dur": 1.0},
+              {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 99.0}]
+    assert by_name(events) == [("gemm", "nvjet_a", 9.0, 2), ("attention", "fmha_b", 7.0, 1),
+                               ("memcpy", "Memcpy DtoD", 1.0, 1)]
+    assert by_name(events, top=1) == [("gemm", "nvjet_a", 9.0, 2)]
