@@ -133,6 +133,7 @@ def _compile_twice_with_fx_cache(rank, world_size):
     return reports
 
 
+@pytest.mark.slow  # 2 ranks compile with Inductor twice, cold cache first: ~50 s on 2 cores
 def test_explain_survives_an_fx_graph_cache_hit(tmp_path):
     env = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
     for first, second in assert_ranks_ok(run_ranks(_compile_twice_with_fx_cache, 2, timeout=400, env=env)):
