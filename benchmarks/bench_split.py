@@ -72,6 +72,11 @@ right: the sweep, star = smart split), and prints each T's ratios with the targe
 hangs (a stream wait never released) ends the run after ``--watchdog-s`` with every thread's stack.
 Never enables NVLink multicast.
 
+``--rounds N`` (N > 1): per T, every variant is compiled first and then timed in N rounds, the
+order reversed every other round, median per variant: the GPU's speed drifts during a run (the
+same variant read 4-9% apart between runs), and timing the variants one after another puts that
+drift into their ratio. Static graphs at ``--tokens`` only.
+
 ``--profile``: after timing each point, one more forward under torch.profiler, summarized by
 ``kernel_timeline.summarize`` (times per layer, kernel counts per forward: wall, time with a
 compute kernel running, idle time when none ran, time per kind of kernel) into ``<csv
@@ -85,6 +90,7 @@ import argparse
 import faulthandler
 import logging
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -247,6 +253,8 @@ def main() -> None:
     ap.add_argument("--norm-gbps-per-cta", type=float, default=None,
                     help="--rehearse: the peer's add+norm rate (default: the measured table)")
     ap.add_argument("--profile", action="store_true", help="also profile one forward per point (kernel_timeline)")
+    ap.add_argument("--rounds", type=int, default=1, help="> 1: per T, compile every variant, then time them "
+                    "in this many rounds, the order reversed every other round (median per variant)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--watchdog-s", type=float, default=900.0, help="end the run (stacks printed) when one "
@@ -277,7 +285,7 @@ def main() -> None:
         print(fake.describe(), flush=True)
     meta = dict(run_meta(dev), world_size=dist.get_world_size(), dims=args.dims, layers=args.layers,
                 mode=args.mode + {"": "", "fake-comm": " fake-comm", "rehearse": f" rehearse@{args.link_gbps:g}"}[
-                    fake_mode])
+                    fake_mode] + (f" interleaved x{args.rounds}" if args.rounds > 1 else ""))
     rows = []
     mode = None if args.mode == "default" else args.mode
     dynamic = True if args.dynamic else False
@@ -296,6 +304,71 @@ def main() -> None:
     failed: list[str] = []
     prof_rows: list[dict] = []
     check = PointCheck(fake)
+
+    def options_for(t, kind, design, offset, ctas):
+        return {"comm_ctas": int(ctas) if ctas else args.comm_ctas, "split": kind == "split", "mode": args.mode,
+                **({"kernel": design} if design else {}), **({"split_at": t // 2 + int(offset)} if offset else {})}
+
+    def interleaved(t):
+        """Every variant compiled for ``t`` first, then timed in ``--rounds`` rounds, the order
+        reversed every other round: drift of the GPU's speed during the run (4-9% between runs,
+        docs/performance.md) falls on every variant alike instead of on their ratio."""
+        torch._dynamo.reset()
+        x, live = tokens_for(t, False), []
+        for variant in variants:
+            kind, design, offset, ctas = parse_variant(variant)
+            design = design or ("ce" if fake is not None else "")
+            _, model = build(args.dims, args.layers, kind != "nocomm", dev)
+            weave_compile.reset()
+            c = (torch.compile(model, mode=mode, dynamic=False) if kind in ("default", "nocomm") else
+                 torch.compile(model, backend="tokenweave", dynamic=False,
+                               options=options_for(t, kind, design, offset, ctas)))
+            check.start()
+            try:
+                with torch.no_grad():
+                    counts = compiled_launches(c, x)
+                    if not counts:  # another variant's cached graph answered: it would be timed twice
+                        raise RuntimeError(f"{variant}: its first call generated no code")
+                    ran = check.sites(variant, design, True)
+            except RuntimeError as e:
+                if not args.keep_going:
+                    raise
+                failed.append(f"{variant} T={t}: {e}")
+                print(f"SKIPPED {variant} at T={t}: {e}", flush=True)
+                continue
+            at = "-"
+            if kind == "split":
+                text = weave_compile.explain().graphs[-1].split.describe()
+                at = text.split(" at ")[1].split(" (")[0].split(":")[0] if " at " in text else "unsplit"
+            live.append((variant, c, counts, ran, at))
+        times = {v[0]: [] for v in live}
+        for r in range(args.rounds):
+            for variant, c, *_ in (live if r % 2 == 0 else live[::-1]):
+                check.start()
+                with torch.no_grad():
+                    times[variant].append(Timer(args.repeats, warmup=3, graph=False)(lambda: c(x), args.iters))
+                check.no_fallback(variant)
+        for variant, c, counts, ran, at in live:
+            ms = statistics.median(times[variant]) / 1e3 / args.layers
+            spread = (max(times[variant]) - min(times[variant])) / statistics.median(times[variant])
+            rows.append({**meta, "T": t, "variant": variant, "split_at": at, "ms_per_layer": f"{ms:.4f}",
+                         "kernels": sum(counts.values()), "pointwise_kernels": pointwise(counts), "design": ran})
+            if rank == 0:
+                print(f"{variant:12s} T={t:6d} split_at={at}: {ms:.4f} ms/layer (rounds spread "
+                      f"{100 * spread:.1f}%), {sum(counts.values())} kernels ({pointwise(counts)} pointwise) per "
+                      f"forward, design {ran}", flush=True)
+                write_csv(path, rows, COLUMNS)
+        live.clear()
+        torch.cuda.empty_cache()
+
+    if args.rounds > 1:
+        if dynamic or sweep_ts or args.profile:
+            raise SystemExit("--rounds times static graphs at --tokens: without --dynamic, --sweep or --profile")
+        for t in ts:
+            faulthandler.dump_traceback_later(args.watchdog_s * len(variants), exit=True)
+            interleaved(t)
+            faulthandler.cancel_dump_traceback_later()
+        variants = []  # timed above
     for variant in variants:
         kind, design, offset, ctas = parse_variant(variant)
         design = design or ("ce" if fake is not None else "")
@@ -312,9 +385,7 @@ def main() -> None:
             if kind not in ("default", "nocomm"):
                 if offset or not dynamic:  # a static graph per T (and per forced split point)
                     torch._dynamo.reset()
-                opts = {"comm_ctas": int(ctas) if ctas else args.comm_ctas, "split": kind == "split",
-                        "mode": args.mode, **({"kernel": design} if design else {}),
-                        **({"split_at": t // 2 + int(offset)} if offset else {})}
+                opts = options_for(t, kind, design, offset, ctas)
                 if t == ts[0] or offset or not dynamic:
                     c = torch.compile(model, backend="tokenweave", dynamic=dynamic, options=opts)
                     fresh = True
