@@ -29,8 +29,15 @@ def _fail_on_rank_0(rank, world_size):
 
 
 def _crash_on_rank_1(rank, world_size):
+    import torch.distributed as dist
+
+    # Rank 0 returns (and closes its process group) only after rank 1 finished joining it: else
+    # rank 1 can still be inside gloo's connect when its peer closes, and fail there instead.
+    store = dist.distributed_c10d._get_default_store()
     if rank == 1:
+        store.set("rank 1 joined", "1")
         os._exit(3)
+    store.wait(["rank 1 joined"])
     return rank
 
 
