@@ -309,6 +309,20 @@ def main() -> None:
         return {"comm_ctas": int(ctas) if ctas else args.comm_ctas, "split": kind == "split", "mode": args.mode,
                 **({"kernel": design} if design else {}), **({"split_at": t // 2 + int(offset)} if offset else {})}
 
+    def skipped(variant, t, e):
+        """A variant that would time something else: end the run, or (--keep-going) list it."""
+        if not args.keep_going:
+            raise e
+        failed.append(f"{variant} T={t}: {e}")
+        print(f"SKIPPED {variant} from T={t} on: {e}", flush=True)
+
+    def split_point(kind):
+        """(the split point the last compile chose, its description); ("-", "") unsplit."""
+        if kind != "split":
+            return "-", ""
+        text = weave_compile.explain().graphs[-1].split.describe()
+        return (text.split(" at ")[1].split(" (")[0].split(":")[0] if " at " in text else "unsplit"), text
+
     def interleaved(t):
         """Every variant compiled for ``t`` first, then timed in ``--rounds`` rounds, the order
         reversed every other round: drift of the GPU's speed during the run (4-9% between runs,
@@ -331,16 +345,9 @@ def main() -> None:
                         raise RuntimeError(f"{variant}: its first call generated no code")
                     ran = check.sites(variant, design, True)
             except RuntimeError as e:
-                if not args.keep_going:
-                    raise
-                failed.append(f"{variant} T={t}: {e}")
-                print(f"SKIPPED {variant} at T={t}: {e}", flush=True)
+                skipped(variant, t, e)
                 continue
-            at = "-"
-            if kind == "split":
-                text = weave_compile.explain().graphs[-1].split.describe()
-                at = text.split(" at ")[1].split(" (")[0].split(":")[0] if " at " in text else "unsplit"
-            live.append((variant, c, counts, ran, at))
+            live.append((variant, c, counts, ran, split_point(kind)[0]))
         times = {v[0]: [] for v in live}
         for r in range(args.rounds):
             for variant, c, *_ in (live if r % 2 == 0 else live[::-1]):
@@ -403,19 +410,13 @@ def main() -> None:
                     ms = Timer(args.repeats, warmup=3, graph=False)(lambda: c(x), args.iters) / 1e3 / args.layers
                 check.no_fallback(variant)
             except RuntimeError as e:
-                if not args.keep_going:
-                    raise
-                failed.append(f"{variant} T={t}: {e}")
-                print(f"SKIPPED {variant} from T={t} on: {e}", flush=True)
+                skipped(variant, t, e)
                 break
             finally:
                 faulthandler.cancel_dump_traceback_later()
-            at = "-"
-            if kind == "split":
-                text = weave_compile.explain().graphs[-1].split.describe()
-                at = text.split(" at ")[1].split(" (")[0].split(":")[0] if " at " in text else "unsplit"
-                if rank == 0:
-                    print("  ", text[:300], flush=True)
+            at, text = split_point(kind)
+            if text and rank == 0:
+                print("  ", text[:300], flush=True)
             rows.append({**meta, "T": t, "variant": variant, "split_at": at, "ms_per_layer": f"{ms:.4f}",
                          "kernels": sum(counts.values()), "pointwise_kernels": pointwise(counts), "design": ran})
             if rank == 0:
