@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from weave_compile.testing import pacing
 from weave_compile.testing.pacing import D2H, H2D, Calibration, Line, fit_line
 
 CAL = Calibration(d2d=Line(2.0, 1800.0), h2d=Line(3.0, 50.0), d2h=Line(4.0, 45.0))
@@ -87,3 +88,21 @@ def test_no_pace_where_the_local_copy_is_already_slower_than_the_link():
     assert CAL.transfer(64, 370.0, H2D) is None  # 64 bytes: nothing to wait for
     with pytest.raises(ValueError):
         CAL.transfer(1 << 20, 0.0, H2D)
+
+
+def test_calibration_measures_a_bent_line_again_and_raises_when_it_stays_bent(monkeypatch):
+    measured = []  # the medians _median_copy_us returns, one per size, in order
+
+    def fake_median(fn, stream, iters=10, repeats=5):
+        return measured.pop(0)
+
+    monkeypatch.setattr(pacing, "_median_copy_us", fake_median)
+    # other work on the GPU stretched the first size's median once: measured again, fitted
+    measured[:] = [31.0, 18.9, 18.6] + [3.0, 5.0, 9.0]
+    line = pacing._fit_measured((1 << 20, 2 << 20, 4 << 20), lambda n: None, None)
+    assert not measured and line.gbps == pytest.approx((2 << 20) / 4.0 / 1e3)
+    # bent every time: the calibration error, after the attempts
+    measured[:] = [5.0, 3.0, 2.0] * 3
+    with pytest.raises(ValueError, match="do not grow with size"):
+        pacing._fit_measured((1, 2, 3), lambda n: None, None, attempts=3)
+    assert not measured

@@ -186,15 +186,14 @@ def _fit_measured(sizes: tuple, copy, stream: torch.cuda.Stream, attempts: int =
     """The line through ``copy(n)``'s median times at ``sizes``, measured again (up to ``attempts``
     times) where the times do not grow with size: other work on the GPU (another test process, a
     benchmark) can stretch one size's median; a line that never fits raises."""
-    for attempt in range(attempts):
+    for attempt in range(1, attempts + 1):
         times = [_median_copy_us(lambda n=n: copy(n), stream) for n in sizes]
         try:
             return fit_line(list(sizes), times)
         except ValueError:
-            if attempt == attempts - 1:
+            if attempt == attempts:
                 raise
             log.info("pacing calibration: times %s do not grow with size; measuring again", times)
-    raise AssertionError("unreachable")
 
 
 def calibrate(pacer: Pacer, local_sizes: tuple = (1 << 20, 8 << 20, 32 << 20),
