@@ -1,6 +1,7 @@
-"""Run a function on N ranks in spawned processes, with a hard timeout.
+"""Run a function on N ranks in fresh processes, with a hard timeout.
 
-``run_ranks(fn, world_size=2)`` starts one process per rank, initializes a process group
+``run_ranks(fn, world_size=2)`` starts one process per rank (forked from a server process that
+imported torch once, with the caller's current environment), initializes a process group
 (gloo on CPU by default, NCCL with one GPU per rank when asked), calls ``fn(rank, world_size,
 *args)`` and returns one :class:`RankResult` per rank: the value, or the exception's traceback.
 A rank that does not finish before the deadline is killed together with every other rank and
@@ -45,10 +46,16 @@ class RankResult:
 
 
 def _child(fn, rank, world_size, args, backend, store_path, timeout_s, env, out_q):
+    # A forked child starts with the fork server's environment: take the caller's, whole.
+    os.environ.clear()
     os.environ.update(env)
     try:
         import torch
         import torch.distributed as dist
+
+        # torch was imported by the fork server, before this environment: apply what it read then.
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        dist.set_debug_level_from_env()
 
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -66,6 +73,15 @@ def _child(fn, rank, world_size, args, backend, store_path, timeout_s, env, out_
     out_q.put((rank, payload))
 
 
+def _context():
+    """Ranks fork from a server process that has imported torch once (importing it costs each
+    spawned rank ~2 s of CPU, and the suite starts hundreds); every rank still gets the caller's
+    environment of the moment and torch's settings read from it (``_child``)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch"])
+    return ctx
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int = 2,
@@ -76,9 +92,9 @@ def run_ranks(
     env: Optional[dict[str, str]] = None,
 ) -> list[RankResult]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; kill all after ``timeout`` s."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     out_q = ctx.Queue()
-    child_env = {**_CHILD_ENV, **(env or {})}
+    child_env = {**os.environ, **_CHILD_ENV, **(env or {})}
     with tempfile.TemporaryDirectory(prefix="weave_ranks_") as tmp:
         store = os.path.join(tmp, "store")
         procs = [
