@@ -45,11 +45,14 @@ class RankResult:
         return self.error is None and not self.timed_out
 
 
-def _child(fn, rank, world_size, args, backend, store_path, timeout_s, env, out_q):
-    # A forked child starts with the fork server's environment: take the caller's, whole.
+def _child(call, rank, world_size, backend, store_path, timeout_s, env, out_q):
+    # A forked child starts with the fork server's environment: take the caller's, whole, before
+    # ``call`` (fn and args, pickled) imports fn's module: what reads the environment at import
+    # (TRITON_INTERPRET at a kernel's definition, say) must see the caller's.
     os.environ.clear()
     os.environ.update(env)
     try:
+        fn, args = pickle.loads(call)
         import torch
         import torch.distributed as dist
 
@@ -93,12 +96,13 @@ def run_ranks(
 ) -> list[RankResult]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; kill all after ``timeout`` s."""
     ctx = _context()
+    call = pickle.dumps((fn, args))
     out_q = ctx.Queue()
     child_env = {**os.environ, **_CHILD_ENV, **(env or {})}
     with tempfile.TemporaryDirectory(prefix="weave_ranks_") as tmp:
         store = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_child, args=(fn, r, world_size, args, backend, store, timeout, child_env, out_q),
+            ctx.Process(target=_child, args=(call, r, world_size, backend, store, timeout, child_env, out_q),
                         daemon=True)
             for r in range(world_size)
         ]
