@@ -94,7 +94,7 @@ def run_ranks(
     backend: str = "gloo",
     env: Optional[dict[str, str]] = None,
 ) -> list[RankResult]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; kill all after ``timeout`` s."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` rank processes; kill all after ``timeout`` s."""
     ctx = _context()
     call = pickle.dumps((fn, args))
     out_q = ctx.Queue()
