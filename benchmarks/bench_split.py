@@ -431,8 +431,8 @@ def main() -> None:
                 prof_rows.append({**rows[-1], **per_layer})
                 if rank == 0:
                     print("   profile per layer: " + ", ".join(f"{k} {v}" for k, v in per_layer.items()), flush=True)
-                    for kind, kname, us, n in top:  # per forward, for the log
-                        print(f"     {kind:9s} {us:9.1f} us {n:4d}x {kname[:150]}", flush=True)
+                    for kname_kind, kname, us, n in top:  # per forward, for the log (not `kind`: the T loop reads it)
+                        print(f"     {kname_kind:9s} {us:9.1f} us {n:4d}x {kname[:150]}", flush=True)
                     write_csv(os.path.join(args.out, name + "_profile.csv"), prof_rows,
                               COLUMNS + kernel_timeline.COLUMNS)
         c = model = None
