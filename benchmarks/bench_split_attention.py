@@ -10,6 +10,11 @@ times:
 * ``suffix``: ``weave::causal_suffix_attention`` of the rest (B's queries over A's keys and its own;
   two LSE-returning calls on SDPA's own backend, merged by one Triton kernel); ``merge`` is that
   kernel alone;
+* ``rect`` and ``own``: the suffix's two calls alone (B's queries over A's keys, full; over its own
+  keys, causal); ``calls_over_whole = (prefix + rect + own + merge) / whole`` is what the halves
+  cost with each call at its own speed: the floor of this op on these kernels (SDPA's cuDNN
+  kernel aligns a causal mask top-left when queries are fewer than keys, so the suffix cannot be
+  one call on it);
 * ``old_suffix``: what the suffix ran before: K/V concatenated, repeated per query head, SDPA with a
   lower-right causal mask (FlashAttention-2 on sm90), the result copied to the op's layout.
 
@@ -47,7 +52,8 @@ import torch.nn.functional as F  # noqa: E402
 HEADS = {"8b": (16, 4, 128, 4096, 14336 // 2), "70b": (32, 4, 128, 8192, 28672 // 2)}
 COLUMNS = ["gpu", "torch", "triton", "git_commit", "date", "heads", "q_heads", "kv_heads", "head_dim", "kv", "dtype",
            "T", "split_how", "split_at", "whole_us", "prefix_us", "suffix_us", "old_suffix_us", "merge_us",
-           "halves_over_whole", "old_halves_over_whole", "suffix_path", "iters"]
+           "rect_us", "own_us", "halves_over_whole", "calls_over_whole", "old_halves_over_whole", "suffix_path",
+           "iters"]
 
 
 def layer_shape(name: str):
@@ -135,22 +141,28 @@ def main() -> None:
                     prefix = time_us(lambda: F.scaled_dot_product_attention(*a, is_causal=True, enable_gqa=gqa), iters)
                     suffix = time_us(lambda: csa.causal_suffix_attention(*b, None), iters)
                     old = time_us(lambda: csa._fallback(*b, None, why="the old path, timed"), iters)
-                    attend, path_desc = csa.plan(*b, None)  # the merge alone, on the prefix call's outputs
-                    o1, l1 = (attend or csa.attend_math)(*b[:3], False, None)
+                    attend, path_desc = csa.plan(*b, None)
+                    attend = attend or csa.attend_math
+                    rect = time_us(lambda: attend(*b[:3], False, None), iters)
+                    own = time_us(lambda: attend(b[0], *b[3:], True, None), iters)
+                    o1, l1 = attend(*b[:3], False, None)  # the merge alone, on the prefix call's outputs
                     o2, l2 = o1.clone(), l1.clone()
                     out = csa._out_like(b[0], b[2])
                     merge = time_us(lambda: csa.combine(o1, l1, o2, l2, out), iters)
                     row = {**meta, "heads": name, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "kv": kv,
                            "dtype": str(dtype).replace("torch.", ""), "T": t, "split_how": how, "split_at": s,
                            "whole_us": f"{whole:.1f}", "prefix_us": f"{prefix:.1f}", "suffix_us": f"{suffix:.1f}",
-                           "old_suffix_us": f"{old:.1f}", "merge_us": f"{merge:.1f}",
-                           "halves_over_whole": f"{(prefix + suffix) / whole:.3f}",
+                           "old_suffix_us": f"{old:.1f}", "merge_us": f"{merge:.1f}", "rect_us": f"{rect:.1f}",
+                           "own_us": f"{own:.1f}", "halves_over_whole": f"{(prefix + suffix) / whole:.3f}",
+                           "calls_over_whole": f"{(prefix + rect + own + merge) / whole:.3f}",
                            "old_halves_over_whole": f"{(prefix + old) / whole:.3f}", "suffix_path": path_desc,
                            "iters": iters}
                     rows.append(row)
                     print(f"{name} {kv:8s} T={t:6d} {how:5s}@{s:6d}: whole {whole:8.1f} prefix {prefix:8.1f} "
-                          f"suffix {suffix:8.1f} (old {old:8.1f}, merge {merge:6.1f}) -> "
-                          f"{row['halves_over_whole']} (old {row['old_halves_over_whole']}) [{path_desc}]", flush=True)
+                          f"suffix {suffix:8.1f} (old {old:8.1f}; calls {rect:8.1f} + {own:8.1f}, merge {merge:6.1f}) "
+                          f"-> "
+                          f"{row['halves_over_whole']} (floor {row['calls_over_whole']}, old "
+                          f"{row['old_halves_over_whole']}) [{path_desc}]", flush=True)
                     write_csv(path, rows, COLUMNS)
     print("wrote", path)
     try:
