@@ -49,7 +49,8 @@ process is rank 0 and holds rank 0's shard; ``weave_compile.testing.fake_comm``)
   emulated the same way. Writes ``split_rehearsal_<dims>.csv`` / ``.png``.
 
 Both run in one process (no torchrun), refuse ``default`` (its all_reduce moves nothing on the fake
-group) and force ``kernel="ce"``; ``--layers 2`` keeps a run short (compiles dominate)::
+group) and force ``kernel="ce"``; ``--layers 2`` keeps a run short (compiles dominate); ``--merged``
+times layers with one QKV and one gate/up GEMM (as served) instead of Hugging Face's five::
 
     python benchmarks/bench_split.py --fake-comm --dims 8b --layers 2 --out benchmarks/results
     python benchmarks/bench_split.py --rehearse --dims 70b --layers 2 --out benchmarks/results
@@ -106,10 +107,10 @@ DIMS = {"8b": dict(hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=
         "70b": dict(hidden=8192, heads=64, kv_heads=8, intermediate=28672, vocab=32000, eps=1e-5)}
 
 
-def build(dims: str, layers: int, comm: bool, dev):
+def build(dims: str, layers: int, comm: bool, dev, merged: bool = False):
     from weave_compile.testing.models import LlamaDims, TPLlama
 
-    d = LlamaDims(layers=layers, **DIMS[dims])
+    d = LlamaDims(layers=layers, merged=merged, **DIMS[dims])
     group = dist.group.WORLD if comm else None
     # Without a group TPLlama keeps its sharded weights and skips every all_reduce ("nocomm").
     return d, TPLlama(d, tp=dist.get_world_size(), rank=dist.get_rank(), group=group, dtype=torch.bfloat16,
@@ -231,6 +232,8 @@ def summarize(rows: list[dict], label: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dims", choices=sorted(DIMS), default="8b")
+    ap.add_argument("--merged", action="store_true", help="one QKV and one gate/up GEMM per layer (Megatron's, "
+                    "vLLM's layout) instead of Hugging Face's separate projections; CSV stem + '_merged'")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", default="1024,2048,4096,8192,16384")
     ap.add_argument("--variants", default="", help="comma list of kind[/design][:offset][@ctas] (default: "
@@ -285,7 +288,8 @@ def main() -> None:
         print(fake.describe(), flush=True)
     meta = dict(run_meta(dev), world_size=dist.get_world_size(), dims=args.dims, layers=args.layers,
                 mode=args.mode + {"": "", "fake-comm": " fake-comm", "rehearse": f" rehearse@{args.link_gbps:g}"}[
-                    fake_mode] + (f" interleaved x{args.rounds}" if args.rounds > 1 else ""))
+                    fake_mode] + (f" interleaved x{args.rounds}" if args.rounds > 1 else "")
+                + (" merged" if args.merged else ""))
     rows = []
     mode = None if args.mode == "default" else args.mode
     dynamic = True if args.dynamic else False
@@ -297,7 +301,7 @@ def main() -> None:
         return x
 
     name = args.csv_name or {"": "split_", "fake-comm": "split_fake_", "rehearse": "split_rehearsal_"}[
-        fake_mode] + args.dims
+        fake_mode] + args.dims + ("_merged" if args.merged else "")
     path = os.path.join(args.out, name + ".csv")
     sweep_ts = {int(v) for v in args.sweep.split(",") if v}
     ts = [int(v) for v in args.tokens.split(",")]
@@ -332,7 +336,7 @@ def main() -> None:
         for variant in variants:
             kind, design, offset, ctas = parse_variant(variant)
             design = design or ("ce" if fake is not None else "")
-            _, model = build(args.dims, args.layers, kind != "nocomm", dev)
+            _, model = build(args.dims, args.layers, kind != "nocomm", dev, args.merged)
             weave_compile.reset()
             c = (torch.compile(model, mode=mode, dynamic=False) if kind in ("default", "nocomm") else
                  torch.compile(model, backend="tokenweave", dynamic=False,
@@ -379,7 +383,7 @@ def main() -> None:
     for variant in variants:
         kind, design, offset, ctas = parse_variant(variant)
         design = design or ("ce" if fake is not None else "")
-        d, model = build(args.dims, args.layers, kind != "nocomm", dev)
+        d, model = build(args.dims, args.layers, kind != "nocomm", dev, args.merged)
         c = None
         torch._dynamo.reset()
         weave_compile.reset()

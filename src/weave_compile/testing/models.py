@@ -33,6 +33,10 @@ class LlamaDims:
     bias: bool = False
     #: Vocab-parallel embedding: an all_reduce right after the embedding lookup.
     vocab_parallel: bool = True
+    #: One QKV and one gate/up projection per layer, each a single GEMM (Megatron's and vLLM's
+    #: layout), instead of Hugging Face's separate q, k, v, gate and up: the same numbers, fewer
+    #: and larger GEMMs (what a split half pays for small ones, docs/performance.md section 4).
+    merged: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -71,12 +75,16 @@ class Layer(nn.Module):
         super().__init__()
         self.d, self.tp, self.group = d, tp, group
         hd = d.head_dim
-        self.q = nn.Linear(d.hidden, d.heads // tp * hd, bias=False)
-        self.k = nn.Linear(d.hidden, d.kv_heads // tp * hd, bias=False)
-        self.v = nn.Linear(d.hidden, d.kv_heads // tp * hd, bias=False)
+        #: output widths of q, k, v and of gate, up on this rank
+        self.qkv_sizes = [d.heads // tp * hd, d.kv_heads // tp * hd, d.kv_heads // tp * hd]
+        self.gate_up_sizes = [d.intermediate // tp] * 2
+        if d.merged:
+            self.qkv = nn.Linear(d.hidden, sum(self.qkv_sizes), bias=False)
+            self.gate_up = nn.Linear(d.hidden, sum(self.gate_up_sizes), bias=False)
+        else:
+            self.q, self.k, self.v = (nn.Linear(d.hidden, n, bias=False) for n in self.qkv_sizes)
+            self.gate, self.up = (nn.Linear(d.hidden, n, bias=False) for n in self.gate_up_sizes)
         self.o = nn.Linear(d.heads // tp * hd, d.hidden, bias=False)
-        self.gate = nn.Linear(d.hidden, d.intermediate // tp, bias=False)
-        self.up = nn.Linear(d.hidden, d.intermediate // tp, bias=False)
         self.down = nn.Linear(d.intermediate // tp, d.hidden, bias=False)
         self.o_bias = nn.Parameter(torch.zeros(d.hidden)) if d.bias else None
         self.down_bias = nn.Parameter(torch.zeros(d.hidden)) if d.bias else None
@@ -86,9 +94,8 @@ class Layer(nn.Module):
     def attention(self, h: torch.Tensor) -> torch.Tensor:
         b, s, _ = h.shape
         hd = self.d.head_dim
-        q = self.q(h).view(b, s, -1, hd).transpose(1, 2)
-        k = self.k(h).view(b, s, -1, hd).transpose(1, 2)
-        v = self.v(h).view(b, s, -1, hd).transpose(1, 2)
+        qkv = self.qkv(h).split(self.qkv_sizes, -1) if self.d.merged else (self.q(h), self.k(h), self.v(h))
+        q, k, v = (t.view(b, s, -1, hd).transpose(1, 2) for t in qkv)
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -101,7 +108,8 @@ class Layer(nn.Module):
             o = o + self.o_bias
         residual = residual + o
         h = self.post_attn_norm(residual)
-        m = self.down(F.silu(self.gate(h)) * self.up(h))
+        gate, up = self.gate_up(h).split(self.gate_up_sizes, -1) if self.d.merged else (self.gate(h), self.up(h))
+        m = self.down(F.silu(gate) * up)
         m = _all_reduce(m, self.group)
         if self.down_bias is not None:
             m = m + self.down_bias
@@ -142,12 +150,16 @@ class TPLlama(nn.Module):
         hd = d.head_dim
         for layer in self.layers:
             s = d.hidden ** -0.5
-            layer.q.weight.copy_(shard(full(d.heads * hd, d.hidden, scale=s), 0))
-            layer.k.weight.copy_(shard(full(d.kv_heads * hd, d.hidden, scale=s), 0))
-            layer.v.weight.copy_(shard(full(d.kv_heads * hd, d.hidden, scale=s), 0))
+            # The same draws in the same order either way: a merged model equals the separate one.
+            q, k, v = (shard(full(n * hd, d.hidden, scale=s), 0) for n in (d.heads, d.kv_heads, d.kv_heads))
             layer.o.weight.copy_(shard(full(d.hidden, d.heads * hd, scale=s), 1))
-            layer.gate.weight.copy_(shard(full(d.intermediate, d.hidden, scale=s), 0))
-            layer.up.weight.copy_(shard(full(d.intermediate, d.hidden, scale=s), 0))
+            gate, up = (shard(full(d.intermediate, d.hidden, scale=s), 0) for _ in range(2))
+            if d.merged:
+                layer.qkv.weight.copy_(torch.cat([q, k, v]))
+                layer.gate_up.weight.copy_(torch.cat([gate, up]))
+            else:
+                for lin, w in zip((layer.q, layer.k, layer.v, layer.gate, layer.up), (q, k, v, gate, up)):
+                    lin.weight.copy_(w)
             layer.down.weight.copy_(shard(full(d.hidden, d.intermediate, scale=d.intermediate ** -0.5), 1))
             for norm in (layer.input_norm, layer.post_attn_norm):
                 norm.weight.add_(full(d.hidden, scale=0.1))

@@ -46,3 +46,30 @@ def test_split_matches_unsplit_and_eager_dynamic_lengths(seed):
         # nothing mixes them, so no barrier either.
         batch = [g for g in graphs[3] if g.startswith("split a symbolic batch at run time")]
         assert batch and all("barrier" not in g for g in batch), graphs[3]
+
+
+def _merged_projections(rank, world_size, seed, compiler):
+    import weave_compile
+    from weave_compile.testing.numerics import rel_err
+
+    d, model = tp_llama(rank, world_size, seed, merged=True)
+    weave_compile.reset()
+    split = torch.compile(model, backend="tokenweave", dynamic=False,
+                          options={"split": True, "split_threshold": THRESHOLD, "compiler": compiler})
+    x = tokens(d, 1, 45, seed)
+    with torch.no_grad():
+        got, want = split(x), model(x)
+    graph = weave_compile.explain().graphs[-1]
+    return rel_err(got, want), graph.split.describe(), sum(s.fused for s in graph.sites)
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_split_of_merged_projections_slices_the_qkv_and_gate_up_gemms_per_half(seed, compiler):
+    """One QKV and one gate/up GEMM (Megatron's, vLLM's layout): their column slices are token-wise,
+    so the whole layer splits, no barrier, and the numbers are eager's."""
+    from weave_compile.testing.models import LlamaDims, expected_fused_sites
+
+    for err, split, fused in assert_ranks_ok(run_ranks(_merged_projections, 2, args=(seed, compiler), timeout=600)):
+        assert err < 1e-5, err
+        assert split.startswith("split 45 tokens at ") and "barrier" not in split, split
+        assert fused == expected_fused_sites(LlamaDims(layers=2), 2), fused
