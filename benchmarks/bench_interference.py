@@ -191,6 +191,22 @@ def p2p_design(rows: int, hidden: int, ctas: int, dev, *, phases: int = 7, low_p
     return d
 
 
+def _on_both_ranks(streams, call):
+    """``enqueue(n)``: n times, each emulated rank's ``call(rank)`` on its own stream, both
+    started after the current stream's work and joined back into it (the ranks run together)."""
+    def enqueue(n: int) -> None:
+        cur = torch.cuda.current_stream()
+        for _ in range(n):
+            for r, stream in enumerate(streams):
+                stream.wait_stream(cur)
+                with torch.cuda.stream(stream):
+                    call(r)
+            for stream in streams:
+                cur.wait_stream(stream)
+
+    return enqueue
+
+
 def ce_design(rows: int, hidden: int, ctas: int, dev) -> Design:
     from weave_compile.kernels.ce import copy_engine as ce
     from weave_compile.kernels.spec import FusedSpec, Rows
@@ -203,17 +219,7 @@ def ce_design(rows: int, hidden: int, ctas: int, dev) -> Design:
     for r in range(2):  # load every kernel before any stream waits on a peer
         ce.preload(ce.ce_call(wss[r], rank_rows[r], spec, run=False)[2])
 
-    def enqueue(n: int) -> None:
-        cur = torch.cuda.current_stream()
-        for _ in range(n):
-            for r in range(2):
-                streams[r].wait_stream(cur)
-                with torch.cuda.stream(streams[r]):
-                    ce.ce_call(wss[r], rank_rows[r], spec)
-            for s in streams:
-                cur.wait_stream(s)
-
-    return Design("ce", ctas, enqueue)
+    return Design("ce", ctas, _on_both_ranks(streams, lambda r: ce.ce_call(wss[r], rank_rows[r], spec)))
 
 
 def oneshot_design(rows: int, hidden: int, ctas: int, dev) -> Optional[Design]:
@@ -238,17 +244,7 @@ def oneshot_design(rows: int, hidden: int, ctas: int, dev) -> Optional[Design]:
     streams = [torch.cuda.Stream(dev) for _ in range(2)]
     torch.cuda.synchronize()
 
-    def enqueue(n: int) -> None:
-        cur = torch.cuda.current_stream()
-        for _ in range(n):
-            for r in range(2):
-                streams[r].wait_stream(cur)
-                with torch.cuda.stream(streams[r]):
-                    launch(wss[r], rank_rows[r], spec, *outs[r])
-            for s in streams:
-                cur.wait_stream(s)
-
-    return Design("oneshot", ctas, enqueue)
+    return Design("oneshot", ctas, _on_both_ranks(streams, lambda r: launch(wss[r], rank_rows[r], spec, *outs[r])))
 
 
 # Stand-ins: no communication, only the footprint the question is about.

@@ -32,6 +32,7 @@ from weave_compile.kernels.reference import allreduce_add_rmsnorm_ref
 from weave_compile.kernels.spec import FusedSpec, Rows
 from weave_compile.testing import fake_comm, pacing
 from weave_compile.testing.fake_comm import FakeComm, Rehearsal
+from weave_compile.testing.graphs import capture
 from weave_compile.testing.numerics import rel_err
 
 
@@ -71,12 +72,7 @@ def _graph(fn):
     """``fn()`` captured in a CUDA graph (after one eager warm-up); returns (graph, its outputs)."""
     fn()
     _sync()
-    g = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
-        out = fn()
-    torch.cuda.current_stream().wait_stream(side)
+    g, out = capture(fn)
     _sync()
     return g, out
 

@@ -40,6 +40,7 @@ from weave_compile.kernels.ce.watchdog import Watchdog
 from weave_compile.kernels.reference import allreduce_add_rmsnorm_ref as _oracle
 from weave_compile.kernels.shared import addnorm
 from weave_compile.kernels.spec import FusedSpec, Rows
+from weave_compile.testing.graphs import capture
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300, method="thread"),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -183,12 +184,7 @@ def test_stream_memops_cross_stream_in_graph():
     step()
     _sync()
     torch.testing.assert_close(dst, expect)
-    g = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
+    g, _ = capture(step)
     for _ in range(3):
         src.uniform_()
         expect = src * 2
@@ -304,12 +300,7 @@ def test_ce_graph_replay_new_data(sharded, watched, seed):
 
     three_calls()  # warm-up (Triton compile) outside capture
     _sync()
-    g = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
-        calls = three_calls()
-    torch.cuda.current_stream().wait_stream(side)
+    g, calls = capture(three_calls)
     _sync()
     for rep in range(4):
         partials, res_full, _, _ = _inputs(N, T, H, BF16, BF16, True, seed + 100 + rep)
