@@ -63,6 +63,10 @@ class Options:
     #: Fewest tokens (batch x sequence) for which the split is used; below it the fused op runs
     #: unsplit. TokenWeave's value for dense models.
     split_threshold: int = 1024
+    #: With the split on, linears that read one input (q/k/v, gate/up) run as one GEMM on their
+    #: weights re-pointed into one buffer (same values, no memory added): a half pays each small
+    #: GEMM's fixed cost again. Inference only (grad mode off); ignored without ``split``.
+    merge_projections: bool = True
     #: Prefix length to use instead of the computed smart split (0: computed). For sweeps.
     split_at: int = 0
     #: SM count the SM formula plans GEMM waves for (0: the device's; 132 off-GPU).

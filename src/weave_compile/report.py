@@ -74,6 +74,8 @@ class GraphReport:
     as_written: str = ""
     #: what the caller compiled this graph for (e.g. "decode batch=8"), shown after its id
     label: str = ""
+    #: what merging sibling linears did (``passes.merge_sibling_linears``), "" if it did not run
+    projections: str = ""
 
     @property
     def matched_count(self) -> int:
@@ -110,6 +112,8 @@ class WeaveReport:
                 lines.append(f"  ops before->after: {counts}")
             if g.as_written:
                 lines.append(f"  runs with its collectives as written, like plain Inductor: {g.as_written}")
+            if g.projections:
+                lines.append("  " + g.projections)
             if g.split is not None:
                 lines.append("  " + g.split.describe())
             lines += _site_table(header, [s.row(bool(g.as_written)) for s in g.sites])
@@ -148,7 +152,7 @@ def _site_table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def graph_to_json(g: GraphReport) -> dict:
     return {"sites": [dataclasses.asdict(s) for s in g.sites], "op_counts": g.op_counts,
-            "split": dataclasses.asdict(g.split) if g.split is not None else None}
+            "split": dataclasses.asdict(g.split) if g.split is not None else None, "projections": g.projections}
 
 
 def graph_from_json(compiler: str, note: str, payload: dict) -> GraphReport:
@@ -158,6 +162,7 @@ def graph_from_json(compiler: str, note: str, payload: dict) -> GraphReport:
     g.op_counts = {k: tuple(v) for k, v in payload["op_counts"].items()}
     if payload.get("split"):
         g.split = SplitSummary(**payload["split"])
+    g.projections = payload.get("projections", "")
     return g
 
 

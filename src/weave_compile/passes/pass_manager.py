@@ -60,6 +60,8 @@ class WeavePassManager(CustomGraphPass):
         #: ranks' first-call check
         self.comm_plans: list[dict] = []
         self.written_plans: list[dict] = []
+        #: what merging sibling linears did to the Dynamo graph (the backend runs it), for the reports
+        self.projections = ""
         self.merge = MergeAllReducesPass()
         self.fuse = FuseAllReduceRMSNormPass(config)
         self.split = SplitTokensPass(config)
@@ -84,6 +86,7 @@ class WeavePassManager(CustomGraphPass):
 
     def __call__(self, graph: fx.Graph) -> None:
         report = report_mod.new_graph(self.compiler)
+        report.projections = self.projections
         self.graph_reports.append(report)
         before = _count_ops(graph)
         # Only a rewriting run can make ranks' collectives differ; fuse=False is plain Inductor.

@@ -21,6 +21,7 @@ from torch.fx.experimental.symbolic_shapes import guard_bool
 
 from weave_compile import smart_split
 from weave_compile.config import TokenWeaveConfig
+from weave_compile.ops.sibling_linear import SIBLING_LINEAR
 
 from ..graph_utils import is_call, named_args, val
 from .values import NotSplit, prod, same
@@ -62,6 +63,13 @@ def layer_shape(graph: fx.Graph, x: torch.Tensor, sites: int) -> tuple[smart_spl
                     and all(isinstance(d, int) for d in tb.shape)):
                 gemm_k.append(int(tb.shape[0]))
                 gemm_n.append(int(tb.shape[1]))
+                dtype = dtype or ta.dtype
+        elif is_call(n, SIBLING_LINEAR):  # merged linears: one GEMM of their stacked weights
+            ta, ws = val(n.args[0]), [val(w) for w in n.args[1]]
+            if (ta is not None and same(prod(ta.shape[:-1]), rows) and isinstance(ta.shape[-1], int)
+                    and all(w is not None and isinstance(w.shape[0], int) for w in ws)):
+                gemm_k.append(int(ta.shape[-1]))
+                gemm_n.append(sum(int(w.shape[0]) for w in ws))
                 dtype = dtype or ta.dtype
         elif is_call(n, *ATTENTION_OPS):
             q = val(n.args[0])

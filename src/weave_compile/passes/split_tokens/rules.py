@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 import torch
 import torch.fx as fx
 
+from weave_compile.ops.sibling_linear import SIBLING_LINEAR
+
 from ..graph_utils import val
 from .values import Barrier, Split, SplitTuple, is_tensor_node, nodes_in, norm_dim, prod, same
 
@@ -286,6 +288,15 @@ def _matmul(rw: Rewriter, n: fx.Node) -> Split:
         if bias.dim() == 2 and not same(bias.shape[0], 1):
             raise Barrier("addmm with a per-row bias")
     return rw.per_half(n, want, lambda h: tuple(src.halves[h] if i == a_pos else a for i, a in enumerate(n.args)))
+
+
+@rule(SIBLING_LINEAR)
+def _sibling_linear(rw: Rewriter, n: fx.Node) -> Split:
+    """Linears merged into one GEMM: row-wise in the input's leading dimensions, like one linear."""
+    src = rw.split_arg(n, 0)
+    if src.dim == val(n.args[0]).dim() - 1:
+        raise Barrier("linear over the token dimension")
+    return rw.per_half(n, src.dim, lambda h: (src.halves[h], *n.args[1:]))
 
 
 # Reductions: (dims argument position, keepdim argument position or None, keepdim default).
