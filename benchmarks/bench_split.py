@@ -234,6 +234,8 @@ def main() -> None:
     ap.add_argument("--dims", choices=sorted(DIMS), default="8b")
     ap.add_argument("--merged", action="store_true", help="one QKV and one gate/up GEMM per layer (Megatron's, "
                     "vLLM's layout) instead of Hugging Face's separate projections; CSV stem + '_merged'")
+    ap.add_argument("--merge-projections", action="store_true", help="the option merge_projections (split "
+                    "variants merge sibling linears into one GEMM); CSV stem + '_mp'")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", default="1024,2048,4096,8192,16384")
     ap.add_argument("--variants", default="", help="comma list of kind[/design][:offset][@ctas] (default: "
@@ -301,7 +303,7 @@ def main() -> None:
         return x
 
     name = args.csv_name or {"": "split_", "fake-comm": "split_fake_", "rehearse": "split_rehearsal_"}[
-        fake_mode] + args.dims + ("_merged" if args.merged else "")
+        fake_mode] + args.dims + ("_merged" if args.merged else "") + ("_mp" if args.merge_projections else "")
     path = os.path.join(args.out, name + ".csv")
     sweep_ts = {int(v) for v in args.sweep.split(",") if v}
     ts = [int(v) for v in args.tokens.split(",")]
@@ -311,6 +313,7 @@ def main() -> None:
 
     def options_for(t, kind, design, offset, ctas):
         return {"comm_ctas": int(ctas) if ctas else args.comm_ctas, "split": kind == "split", "mode": args.mode,
+                "merge_projections": args.merge_projections,
                 **({"kernel": design} if design else {}), **({"split_at": t // 2 + int(offset)} if offset else {})}
 
     def skipped(variant, t, e):

@@ -65,8 +65,9 @@ class Options:
     split_threshold: int = 1024
     #: With the split on, linears that read one input (q/k/v, gate/up) run as one GEMM on their
     #: weights re-pointed into one buffer (same values, no memory added): a half pays each small
-    #: GEMM's fixed cost again. Inference only (grad mode off); ignored without ``split``.
-    merge_projections: bool = True
+    #: GEMM's fixed cost again. Inference only (grad mode off); ignored without ``split``. Off by
+    #: default until it has run on a GPU (tested on CPU; docs/split.md).
+    merge_projections: bool = False
     #: Prefix length to use instead of the computed smart split (0: computed). For sweeps.
     split_at: int = 0
     #: SM count the SM formula plans GEMM waves for (0: the device's; 132 off-GPU).

@@ -34,7 +34,8 @@ def _merged(rank, world_size, seed, compiler, bias):
         before = {n: p.clone() for n, p in model.named_parameters()}
         weave_compile.reset()
         c = torch.compile(model, backend="tokenweave", dynamic=False,
-                          options={"split": True, "split_threshold": THRESHOLD, "compiler": compiler})
+                          options={"split": True, "split_threshold": THRESHOLD, "compiler": compiler,
+                                   "merge_projections": True})
         got = c(x)
         again = c(tokens(d, 1, 45, seed + 1))
         again_want = model(tokens(d, 1, 45, seed + 1))
@@ -73,21 +74,27 @@ def _replaced(rank, world_size, seed):
     handler.emit = records.append
     logging.getLogger("weave_compile.ops.sibling_linear").addHandler(handler)
     with torch.no_grad():
+        torch.compile(model, backend="tokenweave", dynamic=False,  # the default: merge_projections off
+                      options={"split": True, "split_threshold": THRESHOLD, "compiler": "aot_eager"})(x)
+        default = weave_compile.explain().graphs[-1].projections
+        torch._dynamo.reset()
         c = torch.compile(model, backend="tokenweave", dynamic=False,
-                          options={"split": True, "split_threshold": THRESHOLD, "compiler": "aot_eager"})
+                          options={"split": True, "split_threshold": THRESHOLD, "compiler": "aot_eager",
+                                   "merge_projections": True})
         c(x)
         k = model.layers[1].k
         k.weight = torch.nn.Parameter(torch.randn(k.weight.shape, generator=torch.Generator().manual_seed(seed)))
         got, want = c(x), model(x)
     warned = any("not one buffer any more" in r.getMessage() for r in records)
-    return rel_err(got, want), warned, weave_compile.explain().graphs[-1].projections
+    return rel_err(got, want), warned, weave_compile.explain().graphs[-1].projections, default
 
 
 def test_a_parameter_replaced_after_the_compile_is_used_not_its_old_buffer(seed):
-    for err, warned, projections in assert_ranks_ok(run_ranks(_replaced, 2, args=(seed,), timeout=600)):
+    for err, warned, projections, default in assert_ranks_ok(run_ranks(_replaced, 2, args=(seed,), timeout=600)):
         assert err < 1e-5, err
         assert warned
         assert "projections merged:" in projections
+        assert default == "", default  # off unless asked for
 
 
 class _Siblings(torch.nn.Module):
