@@ -31,12 +31,15 @@ def _fail_on_rank_0(rank, world_size):
 def _crash_on_rank_1(rank, world_size):
     import torch.distributed as dist
 
-    # Rank 0 returns (and closes its process group) only after rank 1 finished joining it: else
-    # rank 1 can still be inside gloo's connect when its peer closes, and fail there instead.
+    # Both ranks are past the group's setup (gloo's connect) before rank 1 exits, and rank 0
+    # returns (closing the group) only after rank 1 is about to: else either rank can still be
+    # inside connect when its peer goes away, and fail there instead (each order seen in CI).
     store = dist.distributed_c10d._get_default_store()
     if rank == 1:
+        store.wait(["rank 0 set up"])
         store.set("rank 1 joined", "1")
         os._exit(3)
+    store.set("rank 0 set up", "1")
     store.wait(["rank 1 joined"])
     return rank
 
