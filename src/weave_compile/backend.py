@@ -57,7 +57,7 @@ def tokenweave_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
     with agreement.compiling():
         compiled = _compile(gm, example_inputs, config, passes, inductor_patches)
     if merged is not None:
-        as_written.traced_as.update(merged.repoint())
+        merged.repoint()  # after the compile: see merge_sibling_linears
     reports = passes.graph_reports
     return agreement.check_at_first_call(
         compiled, passes.comm_plans, written=passes.written_plans, timeout_s=config.agreement_timeout_s,
@@ -74,19 +74,12 @@ def _as_written(gm, example_inputs, config: TokenWeaveConfig, inductor_patches: 
 
     context = torch._guards.TracingContext.try_get()
     inputs = list(example_inputs)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
 
     def compile_now():
-        # A parameter re-pointed since (merged projections) has another storage offset than the
-        # one traced: give the compile the traced (fake) value instead.
-        now = [ph.meta.get("example_value", t) if id(t) in compile_now.traced_as else t
-               for ph, t in zip(placeholders, inputs)] + inputs[len(placeholders):]
         with agreement.compiling(), (torch._guards.tracing(context) if context is not None
                                      else contextlib.nullcontext()):
-            return _compile(gm, now, config, None, inductor_patches)
+            return _compile(gm, inputs, config, None, inductor_patches)
 
-    #: ids of inputs changed after the trace (the backend adds them)
-    compile_now.traced_as = set()
     return compile_now
 
 
