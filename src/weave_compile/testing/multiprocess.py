@@ -66,6 +66,13 @@ def _child(call, rank, world_size, backend, store_path, timeout_s, env, out_q):
             backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
+        # No rank starts ``fn`` before every rank is past the group's setup: a rank whose ``fn``
+        # returns at once would close its connections while a peer is still in gloo's connect,
+        # and the peer would fail there, whatever the test checks.
+        store = dist.distributed_c10d._get_default_store()
+        if store.add("weave: ranks set up", 1) == world_size:
+            store.set("weave: all set up", "1")
+        store.wait(["weave: all set up"])
         try:
             value = fn(rank, world_size, *args)
         finally:
