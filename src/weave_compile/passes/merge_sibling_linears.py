@@ -9,11 +9,12 @@ Rewrite to::
     qkv = weave.sibling_linear(h, [Wq, Wk, Wv], [bq, bk, bv])
     q = narrow(qkv, -1, 0, Nq);  k = narrow(qkv, -1, Nq, Nk);  v = narrow(qkv, -1, Nq + Nk, Nv)
 
-and (:meth:`MergeSummary.repoint`, which the backend calls once the graph is compiled) re-points
-``Wq, Wk, Wv`` (and the biases) to consecutive views of one new buffer holding the same values,
-so the GEMM reads them in place; the old storages are freed, no memory is added. After the
-compile, because the compile re-derives the inputs' metadata from what Dynamo traced (a
-parameter's storage offset among it).
+and (:meth:`MergeSummary.repoint`) re-points ``Wq, Wk, Wv`` (and the biases) to consecutive views
+of one new buffer holding the same values, so the GEMM reads them in place; the old storages are
+freed, no memory is added. The backend calls it once the graph is compiled: done before, the
+compile fails where it re-derives the inputs' metadata from what Dynamo traced (a re-pointed
+parameter's storage offset is no longer 0).
+
 Why: a token-split half pays each small GEMM's fixed cost again (a Hugging Face layer has five
 projections where a served one has two GEMMs: +10% GEMM time at Llama-8B TP=2, T=2048, against
 +2%; docs/performance.md section 4). The op checks at every call that the weights are still one
