@@ -17,6 +17,7 @@ Biases likewise. ``sibling_linear_ref`` is the plain per-linear computation.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Optional
 
 import torch
@@ -42,10 +43,9 @@ def stacked_view(parts: list[torch.Tensor]) -> Optional[torch.Tensor]:
             return None
         end += p.numel() * esize
     rows = sum(p.shape[0] for p in parts)
-    if first.storage_offset() * esize + rows * first[0].numel() * esize > storage.nbytes():
+    if (first.storage_offset() + rows * math.prod(rest)) * esize > storage.nbytes():
         return None
-    return first.as_strided((rows, *rest), first.stride()) if first.dim() > 1 else \
-        first.as_strided((rows,), (1,))
+    return first.as_strided((rows, *rest), first.stride())
 
 
 def _stacked(parts: list[torch.Tensor], what: str) -> torch.Tensor:

@@ -142,9 +142,9 @@ def merge_sibling_linears(gm: fx.GraphModule, example_inputs: list[Any], min_row
         used.update(id(t) for t in weights + biases)
         moved = stacked_view(weights) is None or bool(biases and stacked_view(biases) is None)
         summary.pending += [weights] + ([biases] if biases else [])
-        _rewrite(gm.graph, x, lins)
-        changed = True
         sizes = [w.shape[0] for w in weights]
+        _rewrite(gm.graph, x, lins, sizes)
+        changed = True
         summary.merged.append(f"{names} -> 1 GEMM ({'+'.join(map(str, sizes))} x {weights[0].shape[1]}"
                               f"{', biases' if biases else ''}; {'re-pointed' if moved else 'already one buffer'})")
     if changed:
@@ -201,7 +201,7 @@ def _one_buffer(parts: list[torch.Tensor]) -> bool:
     return True
 
 
-def _rewrite(graph: fx.Graph, x: fx.Node, lins: list[_Linear]) -> None:
+def _rewrite(graph: fx.Graph, x: fx.Node, lins: list[_Linear], sizes: list[int]) -> None:
     weights = [lin.weight for lin in lins]
     biases = [lin.bias for lin in lins] if lins[0].bias is not None else []
     with graph.inserting_before(lins[0].node):
@@ -210,9 +210,7 @@ def _rewrite(graph: fx.Graph, x: fx.Node, lins: list[_Linear]) -> None:
     if fake is not None:
         merged.meta["example_value"] = fake
     start = 0
-    for lin in lins:
-        width = lin.node.meta["example_value"].shape[-1] if "example_value" in lin.node.meta else None
-        width = width if width is not None else _meta_rows(lin.weight)
+    for lin, width in zip(lins, sizes):
         with graph.inserting_before(lin.node):
             part = graph.call_function(torch.narrow, (merged, -1, start, width))
         if fake is not None:
@@ -221,10 +219,6 @@ def _rewrite(graph: fx.Graph, x: fx.Node, lins: list[_Linear]) -> None:
         lin.node.replace_all_uses_with(part)
         graph.erase_node(lin.node)
         start += width
-
-
-def _meta_rows(w: fx.Node) -> int:
-    return int(w.meta["example_value"].shape[0])
 
 
 def _fake(op, *args):
