@@ -330,6 +330,17 @@ def main() -> None:
         text = weave_compile.explain().graphs[-1].split.describe()
         return (text.split(" at ")[1].split(" (")[0].split(":")[0] if " at " in text else "unsplit"), text
 
+    def projections_merged(kind):
+        """With --merge-projections a split variant whose projections stayed separate would be
+        timed under the wrong name: an error naming why they did."""
+        if kind != "split" or not args.merge_projections:
+            return
+        text = weave_compile.explain().graphs[-1].projections
+        if rank == 0:
+            print(f"  {text}", flush=True)
+        if not text.startswith("projections merged: ") or "projections merged: none" in text:
+            raise RuntimeError(f"--merge-projections: {text or 'the merge pass did not run'}")
+
     def interleaved(t):
         """Every variant compiled for ``t`` first, then timed in ``--rounds`` rounds, the order
         reversed every other round: drift of the GPU's speed during the run (4-9% between runs,
@@ -351,6 +362,7 @@ def main() -> None:
                     if not counts:  # another variant's cached graph answered: it would be timed twice
                         raise RuntimeError(f"{variant}: its first call generated no code")
                     ran = check.sites(variant, design, True)
+                    projections_merged(kind)
             except RuntimeError as e:
                 skipped(variant, t, e)
                 continue
@@ -414,6 +426,8 @@ def main() -> None:
                     if fresh:  # the compiling call: count the kernels it generated
                         counts, fresh = compiled_launches(c, x), False
                     ran = check.sites(variant, design, was_fresh)
+                    if was_fresh:
+                        projections_merged(kind)
                     ms = Timer(args.repeats, warmup=3, graph=False)(lambda: c(x), args.iters) / 1e3 / args.layers
                 check.no_fallback(variant)
             except RuntimeError as e:

@@ -272,8 +272,9 @@ def _model():
     return TPLlama(d, tp=2, rank=0, group=dist.group.WORLD, dtype=BF16, device=torch.device("cuda"))
 
 
-@pytest.mark.parametrize("mode,split", [("local", True), ("rehearse", False), ("rehearse", True)])
-def test_compiled_model_runs_every_site_on_the_fake_ce(group, mode, split, pacer_cal):  # noqa: F811
+@pytest.mark.parametrize("mode,split,merge", [("local", True, False), ("rehearse", False, False),
+                                              ("rehearse", True, False), ("rehearse", True, True)])
+def test_compiled_model_runs_every_site_on_the_fake_ce(group, mode, split, merge, pacer_cal):  # noqa: F811
     import weave_compile
     from weave_compile.testing import models
 
@@ -287,7 +288,7 @@ def test_compiled_model_runs_every_site_on_the_fake_ce(group, mode, split, pacer
         # residual must stay whole (a sharded one gives rank 0 only its own rows)
         c = torch.compile(model, backend="tokenweave",
                           options={"kernel": "ce", "split": split, "mode": "reduce-overhead", "comm_ctas": 8,
-                                   "shard_residual": mode == "local"})
+                                   "shard_residual": mode == "local", "merge_projections": merge})
         for _ in range(4):
             out = c(tokens).clone()
         _sync(120)
@@ -296,6 +297,13 @@ def test_compiled_model_runs_every_site_on_the_fake_ce(group, mode, split, pacer
         assert fc.calls > 0
         if split:
             assert any(gr.split is not None and gr.split.applied for gr in weave_compile.explain().graphs)
+        if merge:  # q/k/v and gate/up of both layers are one GEMM each, their weights one buffer each
+            text = " ".join(gr.projections for gr in weave_compile.explain().graphs)
+            assert all(f"layers.{i}.q, layers.{i}.k, layers.{i}.v -> 1 GEMM" in text
+                       and f"layers.{i}.gate, layers.{i}.up -> 1 GEMM" in text for i in range(2)), text
+            for layer in model.layers:
+                for group in ((layer.q, layer.k, layer.v), (layer.gate, layer.up)):
+                    assert len({m.weight.untyped_storage().data_ptr() for m in group}) == 1
         if mode == "rehearse":  # the peer's partials are rank 0's: every all-reduce doubles
             orig = models._all_reduce
             models._all_reduce = lambda t, group: t.mul_(2)
