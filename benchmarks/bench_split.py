@@ -50,7 +50,9 @@ process is rank 0 and holds rank 0's shard; ``weave_compile.testing.fake_comm``)
 
 Both run in one process (no torchrun), refuse ``default`` (its all_reduce moves nothing on the fake
 group) and force ``kernel="ce"``; ``--layers 2`` keeps a run short (compiles dominate); ``--merged``
-times layers with one QKV and one gate/up GEMM (as served) instead of Hugging Face's five::
+times layers built with one QKV and one gate/up GEMM (as served) instead of Hugging Face's five, which
+the split variants merge themselves (``merge_projections``, the default; ``--no-merge-projections``
+keeps them separate)::
 
     python benchmarks/bench_split.py --fake-comm --dims 8b --layers 2 --out benchmarks/results
     python benchmarks/bench_split.py --rehearse --dims 70b --layers 2 --out benchmarks/results
@@ -234,8 +236,8 @@ def main() -> None:
     ap.add_argument("--dims", choices=sorted(DIMS), default="8b")
     ap.add_argument("--merged", action="store_true", help="one QKV and one gate/up GEMM per layer (Megatron's, "
                     "vLLM's layout) instead of Hugging Face's separate projections; CSV stem + '_merged'")
-    ap.add_argument("--merge-projections", action="store_true", help="the option merge_projections (split "
-                    "variants merge sibling linears into one GEMM); CSV stem + '_mp'")
+    ap.add_argument("--no-merge-projections", action="store_true", help="merge_projections=False: split variants "
+                    "keep sibling linears as separate GEMMs (the default merges them); CSV stem + '_nomp'")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", default="1024,2048,4096,8192,16384")
     ap.add_argument("--variants", default="", help="comma list of kind[/design][:offset][@ctas] (default: "
@@ -291,7 +293,7 @@ def main() -> None:
     meta = dict(run_meta(dev), world_size=dist.get_world_size(), dims=args.dims, layers=args.layers,
                 mode=args.mode + {"": "", "fake-comm": " fake-comm", "rehearse": f" rehearse@{args.link_gbps:g}"}[
                     fake_mode] + (f" interleaved x{args.rounds}" if args.rounds > 1 else "")
-                + (" merged" if args.merged else ""))
+                + (" merged" if args.merged else "") + (" no-merge-projections" if args.no_merge_projections else ""))
     rows = []
     mode = None if args.mode == "default" else args.mode
     dynamic = True if args.dynamic else False
@@ -303,7 +305,7 @@ def main() -> None:
         return x
 
     name = args.csv_name or {"": "split_", "fake-comm": "split_fake_", "rehearse": "split_rehearsal_"}[
-        fake_mode] + args.dims + ("_merged" if args.merged else "") + ("_mp" if args.merge_projections else "")
+        fake_mode] + args.dims + ("_merged" if args.merged else "") + ("_nomp" if args.no_merge_projections else "")
     path = os.path.join(args.out, name + ".csv")
     sweep_ts = {int(v) for v in args.sweep.split(",") if v}
     ts = [int(v) for v in args.tokens.split(",")]
@@ -313,7 +315,7 @@ def main() -> None:
 
     def options_for(t, kind, design, offset, ctas):
         return {"comm_ctas": int(ctas) if ctas else args.comm_ctas, "split": kind == "split", "mode": args.mode,
-                "merge_projections": args.merge_projections,
+                "merge_projections": not args.no_merge_projections,
                 **({"kernel": design} if design else {}), **({"split_at": t // 2 + int(offset)} if offset else {})}
 
     def skipped(variant, t, e):
@@ -331,15 +333,16 @@ def main() -> None:
         return (text.split(" at ")[1].split(" (")[0].split(":")[0] if " at " in text else "unsplit"), text
 
     def projections_merged(kind):
-        """With --merge-projections a split variant whose projections stayed separate would be
-        timed under the wrong name: an error naming why they did."""
-        if kind != "split" or not args.merge_projections:
+        """A split variant of separate projections that stayed separate (merge_projections on, the
+        default) would be timed under the wrong name: an error naming why they did."""
+        graph = weave_compile.explain().graphs[-1]
+        if kind != "split" or args.no_merge_projections or args.merged or not (graph.split and graph.split.applied):
             return
-        text = weave_compile.explain().graphs[-1].projections
+        text = graph.projections
         if rank == 0:
             print(f"  {text}", flush=True)
         if not text.startswith("projections merged: ") or "projections merged: none" in text:
-            raise RuntimeError(f"--merge-projections: {text or 'the merge pass did not run'}")
+            raise RuntimeError(f"merge_projections: {text or 'the merge pass did not run'}")
 
     def interleaved(t):
         """Every variant compiled for ``t`` first, then timed in ``--rounds`` rounds, the order

@@ -65,9 +65,10 @@ class Options:
     split_threshold: int = 1024
     #: With the split on, linears that read one input (q/k/v, gate/up) run as one GEMM on their
     #: weights re-pointed into one buffer (same values, no memory added): a half pays each small
-    #: GEMM's fixed cost again. Inference only (grad mode off); ignored without ``split``. Off by
-    #: default until it has run on a GPU (tested on CPU; docs/split.md).
-    merge_projections: bool = False
+    #: GEMM's fixed cost again (Llama-8B TP=2 on one H200: split / fused 1.010 instead of 1.115 at
+    #: T=2048, docs/performance.md section 4). Inference only (grad mode off); ignored without
+    #: ``split``; ``False`` keeps the projections as written.
+    merge_projections: bool = True
     #: Prefix length to use instead of the computed smart split (0: computed). For sweeps.
     split_at: int = 0
     #: SM count the SM formula plans GEMM waves for (0: the device's; 132 off-GPU).
