@@ -335,8 +335,10 @@ def main() -> None:
     def projections_merged(kind):
         """A split variant of separate projections that stayed separate (merge_projections on, the
         default) would be timed under the wrong name: an error naming why they did."""
+        if kind != "split" or args.no_merge_projections or args.merged:
+            return
         graph = weave_compile.explain().graphs[-1]
-        if kind != "split" or args.no_merge_projections or args.merged or not (graph.split and graph.split.applied):
+        if graph.split is None or not graph.split.applied:
             return
         text = graph.projections
         if rank == 0:
