@@ -136,7 +136,8 @@ def _summary(graphs) -> dict:
         "text": str(rep),
         "unique_graphs": counters["stats"]["unique_graphs"],
         "graphs": [{"matched": g.matched_count, "sites": [(s.node, s.fused, s.reason, s.residual) for s in g.sites],
-                    "op_counts": dict(g.op_counts), "split": None if g.split is None else g.split.describe()}
+                    "op_counts": dict(g.op_counts), "split": None if g.split is None else g.split.describe(),
+                    "projections": g.projections}
                    for g in rep.graphs],
         "norms": [(pg.norms_before, pg.norms_after) for pg in graphs],
         "unfused_fx": [],
@@ -325,6 +326,17 @@ def test_every_all_reduce_site_fused(results, arch, phase):
             assert after + starts // 2 == sites and starts % 2 == 0, f"{arch} {phase}: {g['op_counts']}"
             if phase == "split":
                 assert starts > 0 and not g["split"].startswith("not split"), f"{arch}: {g['split']}"
+
+
+@pytest.mark.parametrize("arch", TEST_ARCHS)
+def test_split_merges_sibling_projections(results, arch):
+    """Under the split the q/k/v (and gate/up) linears run as one GEMM each: tp_plan's DTensor
+    parameters are merged through their local shards, none is left alone for being a DTensor."""
+    for res in _get(results, "split", arch):
+        for g in res["graphs"]:
+            text = g["projections"]
+            assert text.startswith("projections merged: ") and "merged: none" not in text, f"{arch}: {text}"
+            assert "DTensor" not in text, f"{arch}: {text}"
 
 
 @pytest.mark.parametrize("arch", TEST_ARCHS)

@@ -21,13 +21,18 @@ projections where a served one has two GEMMs: +10% GEMM time at Llama-8B TP=2, T
 buffer and copies them together otherwise (:mod:`weave_compile.ops.sibling_linear`).
 
 It runs on the Dynamo graph, before AOT autograd, because only there are the parameters the
-user's own tensors (Dynamo's ``example_inputs``) to re-point. It runs where the token split is on
-(``split`` and ``merge_projections``) and the graph may reach ``split_threshold`` tokens; each
-group it leaves alone is logged with why and shown in ``explain()``:
+user's own tensors (Dynamo's ``example_inputs``) to re-point. A model sharded by Hugging Face's
+``tp_plan`` holds DTensor parameters and runs each linear on ``weight.to_local()``: there the
+tensor re-pointed is the DTensor's local shard, the one the compiled graph reads at every call.
+
+It runs where the token split is on (``split`` and ``merge_projections``) and the graph may reach
+``split_threshold`` tokens; each group it leaves alone is logged with why and shown in
+``explain()``:
 
 * grad mode on (the op has no autograd formula: inference only);
-* a weight that is not a graph input holding a plain tensor (a DTensor, a constant), or not 2-D
-  and contiguous, or of another dtype, device or input width than its siblings;
+* a weight that is neither a graph input holding a plain tensor nor the local shard of a DTensor
+  graph input read by ``.to_local()`` (a DTensor used as one, a constant), or not 2-D and
+  contiguous, or of another dtype, device or input width than its siblings;
 * biases on some siblings only, or biases that are not such inputs;
 * a weight in two groups, or twice in one.
 """
@@ -41,6 +46,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from weave_compile.ops.sibling_linear import SIBLING_LINEAR, stacked_view
 
@@ -98,10 +104,35 @@ def _as_linear(n: fx.Node) -> Optional[_Linear]:
     return _Linear(n, x, w, b) if isinstance(x, fx.Node) else None
 
 
+def _to_local_of(arg: Any) -> Optional[fx.Node]:
+    """The node ``arg`` reads through ``.to_local()`` (a DTensor's local shard), else None."""
+    if (isinstance(arg, fx.Node) and arg.op == "call_method" and arg.target == "to_local"
+            and len(arg.args) == 1 and not arg.kwargs and isinstance(arg.args[0], fx.Node)):
+        return arg.args[0]
+    return None
+
+
+def _value(arg: Any, real: dict) -> Any:
+    """The tensor a linear's weight or bias argument is at run time: a graph input's own value, or
+    the local shard of a DTensor graph input read through ``.to_local()`` (the DTensor's inner
+    tensor, which the compiled graph reads at every call); None for anything else."""
+    if not isinstance(arg, fx.Node):
+        return None
+    src = _to_local_of(arg)
+    if src is None:
+        return real.get(arg)
+    dt = real.get(src)
+    if not isinstance(dt, DTensor):
+        return None
+    # the inner tensor itself (what the compiled graph is handed), not ``to_local()``'s alias of it
+    return getattr(dt, "_local_tensor", None)
+
+
 def _name(lin: _Linear) -> str:
     """The linear's module path as Dynamo spells its weight (``l_self_modules_layers_modules_0_modules_q_
     parameters_weight_`` -> ``layers.0.q``), else the node's name."""
-    w = lin.weight.name if isinstance(lin.weight, fx.Node) else ""
+    w = lin.weight if _to_local_of(lin.weight) is None else _to_local_of(lin.weight)
+    w = w.name if isinstance(w, fx.Node) else ""
     if not w.endswith("_parameters_weight_"):
         return lin.node.name
     path = w[: -len("_parameters_weight_")].removeprefix("l_").removeprefix("self_").removeprefix("modules_")
@@ -137,8 +168,8 @@ def merge_sibling_linears(gm: fx.GraphModule, example_inputs: list[Any], min_row
             summary.skipped.append(f"{names} ({why})")
             log.info("tokenweave: linears %s not merged: %s", names, why)
             continue
-        weights = [real[lin.weight] for lin in lins]
-        biases = [real[lin.bias] for lin in lins] if lins[0].bias is not None else []
+        weights = [_value(lin.weight, real) for lin in lins]
+        biases = [_value(lin.bias, real) for lin in lins] if lins[0].bias is not None else []
         used.update(id(t) for t in weights + biases)
         moved = stacked_view(weights) is None or bool(biases and stacked_view(biases) is None)
         summary.pending += [weights] + ([biases] if biases else [])
@@ -163,9 +194,10 @@ def _why_not(lins: list[_Linear], real: dict, used: set[int], x: fx.Node, min_ro
             rows *= d
         if isinstance(rows, int) and rows < min_rows:
             return f"{rows} rows < split_threshold={min_rows}: the split does not run here"
-    weights = [real.get(lin.weight) if isinstance(lin.weight, fx.Node) else None for lin in lins]
+    weights = [_value(lin.weight, real) for lin in lins]
     if not all(_plain(w) for w in weights):
-        return "a weight is not a graph input holding a plain tensor (a DTensor, a constant?)"
+        return ("a weight is neither a graph input holding a plain tensor nor a DTensor's local shard "
+                "(a DTensor used as one, a constant?)")
     w0 = weights[0]
     if any(w.dim() != 2 or not w.is_contiguous() for w in weights):
         return "a weight is not 2-D and contiguous"
@@ -174,7 +206,7 @@ def _why_not(lins: list[_Linear], real: dict, used: set[int], x: fx.Node, min_ro
     has_bias = [lin.bias is not None for lin in lins]
     if any(has_bias) and not all(has_bias):
         return "biases on some of them only"
-    biases = [real.get(lin.bias) if isinstance(lin.bias, fx.Node) else None for lin in lins] if all(has_bias) else []
+    biases = [_value(lin.bias, real) for lin in lins] if all(has_bias) else []
     if biases and not all(_plain(b) and b.dim() == 1 and b.dtype == w0.dtype and b.device == w0.device
                           and b.is_contiguous() for b in biases):
         return "a bias is not a graph input holding a contiguous 1-D tensor like the weights"
@@ -204,6 +236,9 @@ def _one_buffer(parts: list[torch.Tensor]) -> bool:
 def _rewrite(graph: fx.Graph, x: fx.Node, lins: list[_Linear], sizes: list[int]) -> None:
     weights = [lin.weight for lin in lins]
     biases = [lin.bias for lin in lins] if lins[0].bias is not None else []
+    for arg in weights + biases:  # a later sibling's ``.to_local()`` (of a placeholder) moves up to the GEMM
+        if _to_local_of(arg) is not None:
+            lins[0].node.prepend(arg)
     with graph.inserting_before(lins[0].node):
         merged = graph.call_function(SIBLING_LINEAR, (x, weights, biases))
     fake = _fake(SIBLING_LINEAR, x, weights, biases)
