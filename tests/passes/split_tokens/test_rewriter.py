@@ -73,3 +73,43 @@ def test_split_of_merged_projections_slices_the_qkv_and_gate_up_gemms_per_half(s
         assert err < 1e-5, err
         assert split.startswith("split 45 tokens at ") and "barrier" not in split, split
         assert fused == expected_fused_sites(LlamaDims(layers=2), 2), fused
+
+
+def _with_grad(rank, world_size, seed, compiler):
+    import weave_compile
+    from weave_compile.testing.numerics import rel_err
+
+    def run(fn, model, x):
+        model.zero_grad(set_to_none=True)
+        y = fn(x)
+        y.float().square().mean().backward()
+        return y, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    d, model = tp_llama(rank, world_size, seed)
+    x = tokens(d, 1, 45, seed)
+    # The reference is the same model compiled without the passes: eager's dist.all_reduce has no
+    # autograd formula (its gradients differ from any compiled graph's), Dynamo's functional one has.
+    want, want_grads = run(torch.compile(model, backend=compiler, dynamic=False), model, x)
+    torch._dynamo.reset()
+    weave_compile.reset()
+    split = torch.compile(model, backend="tokenweave", dynamic=False,
+                          options={"split": True, "split_threshold": THRESHOLD, "compiler": compiler})
+    got, grads = run(split, model, x)
+    grad_errs = {n: rel_err(grads[n], want_grads[n]) for n in want_grads}
+    # the forward's report (the backward graph has its own, with no site)
+    reports = [(g.split.describe(), g.projections) for g in weave_compile.explain().graphs if g.split is not None]
+    return rel_err(got, want), grad_errs, reports
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_split_with_grad_mode_on_matches_the_unsplit_forward_and_gradients(seed, compiler):
+    """A training graph: the backward reads the forward's saved activations with the strides they
+    were traced with (SDPA's output is a transposed layout), so the halves are joined in that
+    layout; forward and gradients equal the graph compiled without the passes. The projections
+    stay separate (the merged op has no backward)."""
+    for err, grad_errs, reports in assert_ranks_ok(run_ranks(_with_grad, 2, args=(seed, compiler), timeout=600)):
+        assert err < 1e-5, err
+        assert len(grad_errs) == 20 and max(grad_errs.values()) < 1e-4, grad_errs
+        split = [p for s, p in reports if s.startswith("split 45 tokens at ")]
+        assert len(split) == 1, reports
+        assert split[0].startswith("projections not merged: grad mode is on"), split

@@ -24,7 +24,7 @@ from ..fuse_allreduce_rmsnorm import SITE_KEY
 from ..graph_utils import call_with_meta, fake_mode_of, is_call, named_args, val
 from . import attention, rules, schedule  # noqa: F401  (attention and schedule register their rules)
 from .plan import make_plan
-from .values import HALF_KEY, Barrier, Split, SplitTuple, batch_split, nodes_in, same
+from .values import HALF_KEY, Barrier, Split, SplitTuple, batch_split, memory_order, nodes_in, same
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +69,24 @@ class Rewriter:
         return node
 
     def full(self, node: fx.Node) -> fx.Node:
-        """The whole value of a split node (concatenated once, on first need)."""
+        """The whole value of a split node (concatenated once, on first need), laid out as the
+        value it stands for: its readers were traced with those strides. A training graph's
+        forward hands its saved activations to a backward that views them as traced (SDPA's
+        output is [B, S, H, D] memory seen as [B, H, S, D]; a plain ``cat`` of the halves is
+        contiguous, and the backward's ``view`` of its transpose fails). A dense permuted layout
+        is rebuilt by concatenating the halves in memory order; others concatenate plainly."""
         if node not in self.full_memo:
             sp = self.env[node]
             assert isinstance(sp, Split)
-            self.full_memo[node] = self.mk(aten.cat.default, (list(sp.halves), sp.dim))
+            like = val(node)
+            order = memory_order(like) if isinstance(like, torch.Tensor) else None
+            if order is None:
+                whole = self.mk(aten.cat.default, (list(sp.halves), sp.dim))
+            else:
+                halves = [self.mk(aten.permute.default, (h, order)) for h in sp.halves]
+                joined = self.mk(aten.cat.default, (halves, order.index(sp.dim)))
+                whole = self.mk(aten.permute.default, (joined, [order.index(d) for d in range(len(order))]))
+            self.full_memo[node] = whole
         return self.full_memo[node]
 
     def sliced(self, node: fx.Node, dim: int) -> tuple[fx.Node, fx.Node]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
@@ -60,6 +60,42 @@ def prod(xs) -> Any:
 
 def same(a, b) -> bool:
     return statically_known_true(a == b) if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt) else a == b
+
+
+def memory_order(t: torch.Tensor) -> Optional[list[int]]:
+    """``t``'s dims outermost first when ``t`` is a dense, permuted (not contiguous) layout, so
+    that ``t.permute(order)`` is contiguous; None for a contiguous tensor or a layout that is no
+    permutation of a dense one (or whose symbolic strides cannot be ordered)."""
+    shape, stride = list(t.shape), list(t.stride())
+    if t.dim() < 2:
+        return None
+
+    def greater(a, b) -> Optional[bool]:
+        if statically_known_true(a > b):
+            return True
+        if statically_known_true(a <= b):
+            return False
+        return None
+
+    order: list[int] = []
+    for d in range(t.dim()):  # insertion sort, larger strides first, ties keep the dims' order
+        at = len(order)
+        for i, e in enumerate(order):
+            g = greater(stride[d], stride[e])
+            if g is None:
+                return None
+            if g:
+                at = i
+                break
+        order.insert(at, d)
+    if order == list(range(t.dim())):
+        return None
+    want = 1
+    for d in reversed(order):
+        if not same(shape[d], 1) and not same(stride[d], want):
+            return None
+        want = want * shape[d]
+    return order
 
 
 def norm_dim(d: int, ndim: int) -> int:
