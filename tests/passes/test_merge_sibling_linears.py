@@ -173,40 +173,30 @@ def _hf_tp_plan(rank, world_size, seed, compiler):
     from weave_compile.testing.numerics import rel_err
 
     model = hf.build_model("llama", "tiny", layers=2, tp=True, seed=seed)
-    x, x2 = (hf.prompt(1, 40, model.config.vocab_size, seed + i) for i in (0, 1))
+    x, x2 = (hf.prompt(1, t, model.config.vocab_size, seed + t) for t in (40, 47))
     torch._dynamo.reset()
     with torch.no_grad():
         want, want2 = model(x).logits, model(x2).logits
         c = torch.compile(model, backend="tokenweave", dynamic=False, options={
             "split": True, "split_threshold": THRESHOLD, "compiler": compiler})
         got = c(x).logits
-        frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        got2 = c(x2).logits  # after the re-pointing: the same compiled graph, fresh data
-        recompiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames
-    storages = []
-    for layer in model.model.layers:
-        a, m = layer.self_attn, layer.mlp
-        for group in ((a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)):
-            storages.append(len({lin.weight.to_local().untyped_storage().data_ptr() for lin in group}))
-    return (rel_err(got, want), rel_err(got2, want2), recompiled, storages,
-            [g.projections for g in weave_compile.explain().graphs])
+        got2 = c(x2).logits  # a new token count: Dynamo recompiles, re-fakeifying the DTensors
+    return rel_err(got, want), rel_err(got2, want2), [g.projections for g in weave_compile.explain().graphs]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
-def test_hugging_face_tp_plan_models_merge_their_dtensors_local_shards(seed, compiler):
-    """tp_plan shards into DTensor parameters and runs each linear on ``weight.to_local()``: the
-    merge re-points the local shards (docs/split.md), right numbers before and after."""
+def test_hugging_face_tp_plan_projections_are_left_alone_with_the_reason(seed, compiler):
+    """tp_plan runs each linear on a DTensor's local shard; re-pointing those would break the
+    recompile (merge_sibling_linears' docstring): each group stays separate, with that reason, and
+    the model recompiles and computes right."""
     pytest.importorskip("transformers")
+    from weave_compile.passes.merge_sibling_linears import DTENSOR_REASON
+
     tol = 1e-5 if compiler == "aot_eager" else 1e-4  # Inductor reorders float32 sums
-    for err, err2, recompiled, storages, projections in assert_ranks_ok(
-            run_ranks(_hf_tp_plan, 2, args=(seed, compiler), timeout=600)):
+    for err, err2, projections in assert_ranks_ok(run_ranks(_hf_tp_plan, 2, args=(seed, compiler), timeout=600)):
         assert err < tol and err2 < tol, (err, err2)
-        assert recompiled == 0, recompiled
-        assert storages == [1, 1, 1, 1], storages  # each group's local shards in one buffer
-        text = " ".join(projections)
-        assert "left alone" not in text, projections
-        assert all(f"model.layers.{i}.self_attn.q_proj, model.layers.{i}.self_attn.k_proj, "
-                   f"model.layers.{i}.self_attn.v_proj -> 1 GEMM" in text
-                   and f"model.layers.{i}.mlp.gate_proj, model.layers.{i}.mlp.up_proj -> 1 GEMM" in text
-                   for i in range(2)), projections
+        assert len(projections) == 2, projections  # one graph per token count
+        for text in projections:
+            assert text.startswith("projections merged: none; left alone: "), text
+            assert text.count(DTENSOR_REASON) == 4, text  # q/k/v and gate/up of 2 layers

@@ -22,17 +22,21 @@ buffer and copies them together otherwise (:mod:`weave_compile.ops.sibling_linea
 
 It runs on the Dynamo graph, before AOT autograd, because only there are the parameters the
 user's own tensors (Dynamo's ``example_inputs``) to re-point. A model sharded by Hugging Face's
-``tp_plan`` holds DTensor parameters and runs each linear on ``weight.to_local()``: there the
-tensor re-pointed is the DTensor's local shard, the one the compiled graph reads at every call.
+``tp_plan`` holds DTensor parameters and runs each linear on ``weight.to_local()``: those are left
+alone. Re-pointing a DTensor's local shard into a shared buffer computes right until Dynamo
+recompiles the model (a new token count, a guard failure): torch then fails to re-fakeify a
+DTensor whose local tensor shares a storage at an offset ("Attempted to set the storage of a
+tensor on device cpu to a storage on different device meta"; torch 2.13, a minimal repro needs
+only two such DTensors and a second shape).
 
 It runs where the token split is on (``split`` and ``merge_projections``) and the graph may reach
 ``split_threshold`` tokens; each group it leaves alone is logged with why and shown in
 ``explain()``:
 
 * grad mode on (the op has no autograd formula: inference only);
-* a weight that is neither a graph input holding a plain tensor nor the local shard of a DTensor
-  graph input read by ``.to_local()`` (a DTensor used as one, a constant), or not 2-D and
-  contiguous, or of another dtype, device or input width than its siblings;
+* a DTensor's local shard (above), or a weight that is not a graph input holding a plain tensor
+  (a DTensor used as one, a constant), or not 2-D and contiguous, or of another dtype, device or
+  input width than its siblings;
 * biases on some siblings only, or biases that are not such inputs;
 * a weight in two groups, or twice in one.
 """
@@ -113,19 +117,13 @@ def _to_local_of(arg: Any) -> Optional[fx.Node]:
 
 
 def _value(arg: Any, real: dict) -> Any:
-    """The tensor a linear's weight or bias argument is at run time: a graph input's own value, or
-    the local shard of a DTensor graph input read through ``.to_local()`` (the DTensor's inner
-    tensor, which the compiled graph reads at every call); None for anything else."""
-    if not isinstance(arg, fx.Node):
-        return None
-    src = _to_local_of(arg)
-    if src is None:
-        return real.get(arg)
-    dt = real.get(src)
-    if not isinstance(dt, DTensor):
-        return None
-    # the inner tensor itself (what the compiled graph is handed), not ``to_local()``'s alias of it
-    return getattr(dt, "_local_tensor", None)
+    """The tensor a graph input's node holds, else None."""
+    return real.get(arg) if isinstance(arg, fx.Node) else None
+
+
+#: why a linear on a DTensor's local shard is left alone (see the module docstring)
+DTENSOR_REASON = ("a weight is a DTensor's local shard (a tp_plan model): re-pointed into one buffer, torch "
+                  "could no longer re-fakeify the DTensor when Dynamo recompiles")
 
 
 def _name(lin: _Linear) -> str:
@@ -194,10 +192,11 @@ def _why_not(lins: list[_Linear], real: dict, used: set[int], x: fx.Node, min_ro
             rows *= d
         if isinstance(rows, int) and rows < min_rows:
             return f"{rows} rows < split_threshold={min_rows}: the split does not run here"
+    if any(isinstance(real.get(_to_local_of(lin.weight)), DTensor) for lin in lins):
+        return DTENSOR_REASON
     weights = [_value(lin.weight, real) for lin in lins]
     if not all(_plain(w) for w in weights):
-        return ("a weight is neither a graph input holding a plain tensor nor a DTensor's local shard "
-                "(a DTensor used as one, a constant?)")
+        return "a weight is not a graph input holding a plain tensor (a DTensor, a constant?)"
     w0 = weights[0]
     if any(w.dim() != 2 or not w.is_contiguous() for w in weights):
         return "a weight is not 2-D and contiguous"
@@ -236,9 +235,6 @@ def _one_buffer(parts: list[torch.Tensor]) -> bool:
 def _rewrite(graph: fx.Graph, x: fx.Node, lins: list[_Linear], sizes: list[int]) -> None:
     weights = [lin.weight for lin in lins]
     biases = [lin.bias for lin in lins] if lins[0].bias is not None else []
-    for arg in weights + biases:  # a later sibling's ``.to_local()`` (of a placeholder) moves up to the GEMM
-        if _to_local_of(arg) is not None:
-            lins[0].node.prepend(arg)
     with graph.inserting_before(lins[0].node):
         merged = graph.call_function(SIBLING_LINEAR, (x, weights, biases))
     fake = _fake(SIBLING_LINEAR, x, weights, biases)
