@@ -52,10 +52,13 @@ Both run in one process (no torchrun), refuse ``default`` (its all_reduce moves 
 group) and force ``kernel="ce"``; ``--layers 2`` keeps a run short (compiles dominate); ``--merged``
 times layers built with one QKV and one gate/up GEMM (as served) instead of Hugging Face's five, which
 the split variants merge themselves (``merge_projections``, the default; ``--no-merge-projections``
-keeps them separate)::
+keeps them separate). ``--hf llama`` times a Hugging Face model at ``--dims`` instead, sharded by its
+own ``tp_plan`` (DTensor parameters, whose projections the split leaves separate; variants fused
+and split)::
 
     python benchmarks/bench_split.py --fake-comm --dims 8b --layers 2 --out benchmarks/results
     python benchmarks/bench_split.py --rehearse --dims 70b --layers 2 --out benchmarks/results
+    python benchmarks/bench_split.py --fake-comm --hf llama --dims 8b --layers 2 --rounds 3 --tokens 2048,4096
 
 Kernel counts: ``kernels`` is every Inductor kernel launch in the variant's generated code per
 forward (Triton or C++; cuBLAS and custom ops not counted), ``pointwise_kernels`` the pointwise ones
@@ -109,8 +112,28 @@ DIMS = {"8b": dict(hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=
         "70b": dict(hidden=8192, heads=64, kv_heads=8, intermediate=28672, vocab=32000, eps=1e-5)}
 
 
-def build(dims: str, layers: int, comm: bool, dev, merged: bool = False):
+class HFDecoder(torch.nn.Module):
+    """A Hugging Face causal LM's decoder stack (what the split covers), called as TPLlama is:
+    token ids in, hidden states out (``use_cache=False``: prefill)."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.decoder = lm.model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(input_ids=x, use_cache=False).last_hidden_state
+
+
+def build(dims: str, layers: int, comm: bool, dev, merged: bool = False, hf_arch: str = ""):
     from weave_compile.testing.models import LlamaDims, TPLlama
+
+    if hf_arch:  # sharded by its own tp_plan (DTensor parameters), the same seed for every variant
+        from weave_compile.testing import hf
+
+        if not comm or merged:
+            raise SystemExit("--hf: the variants fused and split only, the model's own layout (no --merged)")
+        return None, HFDecoder(hf.build_model(hf_arch, dims, layers=layers, tp=True, seed=0, dtype=torch.bfloat16,
+                                              device=dev))
 
     d = LlamaDims(layers=layers, merged=merged, **DIMS[dims])
     group = dist.group.WORLD if comm else None
@@ -158,8 +181,12 @@ def variants_of(args) -> list[str]:
         variants = ["nocomm", "fused", "split"] if fake else ["default", "nocomm", "fused", "split"]
     sweep = [f"split:{o}" for o in args.sweep_offsets.split(",")] if args.sweep else []
     variants += sweep
+    if args.hf and not args.variants:
+        variants = [v for v in variants if parse_variant(v)[0] in ("fused", "split")]
     for v in variants:
         kind, design, _, _ = parse_variant(v)
+        if args.hf and kind not in ("fused", "split"):
+            raise SystemExit(f"{v}: --hf times the variants fused and split only (the model's all_reduces stay)")
         if fake and kind == "default":
             raise SystemExit("variant 'default' on the fake process group times an all_reduce that moves nothing; "
                              "leave it out with --fake-comm / --rehearse")
@@ -236,6 +263,9 @@ def main() -> None:
     ap.add_argument("--dims", choices=sorted(DIMS), default="8b")
     ap.add_argument("--merged", action="store_true", help="one QKV and one gate/up GEMM per layer (Megatron's, "
                     "vLLM's layout) instead of Hugging Face's separate projections; CSV stem + '_merged'")
+    ap.add_argument("--hf", default="", metavar="ARCH", help="time a Hugging Face model of this architecture "
+                    "(weave_compile.testing.hf.ARCHS) at --dims, sharded by its tp_plan, instead of TPLlama; "
+                    "variants fused and split; CSV stem 'split[_fake|_rehearsal]_hf_<arch>_<dims>'")
     ap.add_argument("--no-merge-projections", action="store_true", help="merge_projections=False: split variants "
                     "keep sibling linears as separate GEMMs (the default merges them); CSV stem + '_nomp'")
     ap.add_argument("--layers", type=int, default=4)
@@ -293,7 +323,8 @@ def main() -> None:
     meta = dict(run_meta(dev), world_size=dist.get_world_size(), dims=args.dims, layers=args.layers,
                 mode=args.mode + {"": "", "fake-comm": " fake-comm", "rehearse": f" rehearse@{args.link_gbps:g}"}[
                     fake_mode] + (f" interleaved x{args.rounds}" if args.rounds > 1 else "")
-                + (" merged" if args.merged else "") + (" no-merge-projections" if args.no_merge_projections else ""))
+                + (" merged" if args.merged else "") + (" no-merge-projections" if args.no_merge_projections else "")
+                + (f" hf:{args.hf}" if args.hf else ""))
     rows = []
     mode = None if args.mode == "default" else args.mode
     dynamic = True if args.dynamic else False
@@ -305,7 +336,7 @@ def main() -> None:
         return x
 
     name = args.csv_name or {"": "split_", "fake-comm": "split_fake_", "rehearse": "split_rehearsal_"}[
-        fake_mode] + args.dims + ("_merged" if args.merged else "") + ("_nomp" if args.no_merge_projections else "")
+        fake_mode] + (f"hf_{args.hf}_" if args.hf else "") + args.dims + ("_merged" if args.merged else "") + ("_nomp" if args.no_merge_projections else "")
     path = os.path.join(args.out, name + ".csv")
     sweep_ts = {int(v) for v in args.sweep.split(",") if v}
     ts = [int(v) for v in args.tokens.split(",")]
@@ -338,6 +369,10 @@ def main() -> None:
         if kind != "split" or args.no_merge_projections or args.merged:
             return
         graph = weave_compile.explain().graphs[-1]
+        if args.hf:  # a tp_plan model's DTensor projections stay separate (docs/split.md): say so
+            if rank == 0:
+                print(f"  {graph.projections}", flush=True)
+            return
         if graph.split is None or not graph.split.applied:
             return
         text = graph.projections
@@ -355,7 +390,7 @@ def main() -> None:
         for variant in variants:
             kind, design, offset, ctas = parse_variant(variant)
             design = design or ("ce" if fake is not None else "")
-            _, model = build(args.dims, args.layers, kind != "nocomm", dev, args.merged)
+            _, model = build(args.dims, args.layers, kind != "nocomm", dev, args.merged, args.hf)
             weave_compile.reset()
             c = (torch.compile(model, mode=mode, dynamic=False) if kind in ("default", "nocomm") else
                  torch.compile(model, backend="tokenweave", dynamic=False,
@@ -403,7 +438,7 @@ def main() -> None:
     for variant in variants:
         kind, design, offset, ctas = parse_variant(variant)
         design = design or ("ce" if fake is not None else "")
-        d, model = build(args.dims, args.layers, kind != "nocomm", dev, args.merged)
+        d, model = build(args.dims, args.layers, kind != "nocomm", dev, args.merged, args.hf)
         c = None
         torch._dynamo.reset()
         weave_compile.reset()
