@@ -42,6 +42,42 @@ def test_hf_llama_masked_attention_splits_and_a_non_causal_mask_fails_loudly(see
         assert "attention mask is not causal" in raised, raised[-2000:]
 
 
+def _additive_masks(rank, world_size, seed):
+    """A Hugging Face Llama given 4-D additive masks: causal with masked entries at -inf, at
+    float16's lowest value (what torch hands cuDNN for a boolean mask: the form a bf16 model's
+    mask takes on a GPU), and at -1000 (above what the check accepts as masked: must fail loudly)."""
+    import weave_compile
+    from weave_compile.testing import hf
+    from weave_compile.testing.numerics import rel_err
+
+    model = hf.build_model("llama", "tiny", layers=2, seed=seed % 1000)
+    t = 24
+    ids = hf.prompt(1, t, model.config.vocab_size, seed=seed)
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    c = torch.compile(model, backend="tokenweave", dynamic=False,
+                      options={"split": True, "split_threshold": THRESHOLD, "compiler": "aot_eager"})
+    out = {}
+    with torch.no_grad():
+        for name, fill in (("-inf", float("-inf")), ("-65504", -65504.0), ("-1000", -1000.0)):
+            mask = torch.zeros(1, 1, t, t).masked_fill(~causal, fill)
+            want = model(ids, attention_mask=mask, use_cache=False).logits
+            try:
+                out[name] = rel_err(c(ids, attention_mask=mask, use_cache=False).logits, want)
+            except RuntimeError as e:
+                out[name] = str(e)
+        split = [g.split.describe() for g in weave_compile.explain().graphs if g.split is not None]
+    return out, split
+
+
+@pytest.mark.slow
+def test_an_additive_causal_mask_at_cudnns_fill_value_splits_and_a_weak_one_fails(seed):
+    for out, split in assert_ranks_ok(run_ranks(_additive_masks, 2, args=(seed,), timeout=900)):
+        assert split and all(s.startswith("split 24 tokens") for s in split), split
+        assert isinstance(out["-inf"], float) and out["-inf"] < 1e-5, out
+        assert isinstance(out["-65504"], float) and out["-65504"] < 1e-5, out
+        assert isinstance(out["-1000"], str) and "attention mask is not causal" in out["-1000"], out
+
+
 # ----------------------------------------------------------------------------- the suffix's keys
 
 

@@ -85,9 +85,17 @@ def _masked(rw: Rewriter, n: fx.Node, sq: Split, sk: Split, sv: Split, mask: fx.
     return _causal_halves(rw, n, sq, sk, sv, {"attn_mask": None, "attn_bias": None, "is_causal": True})
 
 
+#: An additive mask's entry at or below this masks its key. Half of float16's lowest finite value:
+#: torch hands cuDNN a boolean mask as 0 / -65504 (cuDNN takes no -inf), which is what a bf16
+#: Hugging Face model's causal mask reaches the graph as on a GPU; Hugging Face itself writes the
+#: dtype's minimum or -inf. exp(-32752) is 0 in every float dtype: such a key adds nothing.
+MASKED_AT_MOST = -32752.0
+
+
 def assert_causal(rw: Rewriter, mask: fx.Node, tm: torch.Tensor) -> None:
     """An asynchronous device-side assert (no host sync, CUDA-graph safe) that ``mask`` is causal:
-    0/True where ``key <= query``, masked (-inf, the dtype's minimum, False) elsewhere."""
+    0/True where ``key <= query``, masked (False; or at most :data:`MASKED_AT_MOST`: -inf, the
+    dtype's minimum, cuDNN's -65504) elsewhere."""
     pos = rw.mk(torch.ops.prims.iota.default, (rw.total_arg,), {
         "start": 0, "step": 1, "dtype": torch.int64, "device": tm.device, "requires_grad": False})
     causal = rw.mk(aten.le.Tensor, (rw.mk(aten.unsqueeze.default, (pos, 0)),
@@ -96,7 +104,7 @@ def assert_causal(rw: Rewriter, mask: fx.Node, tm: torch.Tensor) -> None:
         bad = rw.mk(aten.ne.Tensor, (mask, causal))
     else:
         allowed = rw.mk(aten.eq.Scalar, (mask, 0))
-        masked = rw.mk(aten.le.Scalar, (mask, torch.finfo(tm.dtype).min / 2))
+        masked = rw.mk(aten.le.Scalar, (mask, MASKED_AT_MOST))
         # Where causal the entry must be 0, elsewhere masked.
         bad = rw.mk(aten.logical_not.default, (rw.mk(aten.where.self, (causal, allowed, masked)),))
     ok = rw.mk(aten.logical_not.default, (rw.mk(aten.any.default, (bad,)),))
