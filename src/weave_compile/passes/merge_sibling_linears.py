@@ -129,7 +129,7 @@ DTENSOR_REASON = ("a weight is a DTensor's local shard (a tp_plan model): re-poi
 def _name(lin: _Linear) -> str:
     """The linear's module path as Dynamo spells its weight (``l_self_modules_layers_modules_0_modules_q_
     parameters_weight_`` -> ``layers.0.q``), else the node's name."""
-    w = lin.weight if _to_local_of(lin.weight) is None else _to_local_of(lin.weight)
+    w = _to_local_of(lin.weight) or lin.weight  # a tp_plan linear: named by its DTensor parameter
     w = w.name if isinstance(w, fx.Node) else ""
     if not w.endswith("_parameters_weight_"):
         return lin.node.name
