@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from typing import Any, Optional
 
 import torch
@@ -128,12 +129,13 @@ DTENSOR_REASON = ("a weight is a DTensor's local shard (a tp_plan model): re-poi
 
 def _name(lin: _Linear) -> str:
     """The linear's module path as Dynamo spells its weight (``l_self_modules_layers_modules_0_modules_q_
-    parameters_weight_`` -> ``layers.0.q``), else the node's name."""
+    parameters_weight_`` -> ``layers.0.q``; a module reached as a call's argument is
+    ``l_args_0_modules_...``), else the node's name."""
     w = _to_local_of(lin.weight) or lin.weight  # a tp_plan linear: named by its DTensor parameter
     w = w.name if isinstance(w, fx.Node) else ""
     if not w.endswith("_parameters_weight_"):
         return lin.node.name
-    path = w[: -len("_parameters_weight_")].removeprefix("l_").removeprefix("self_").removeprefix("modules_")
+    path = re.sub(r"^l_(?:self_|args_\d+_)?(?:modules_)?", "", w[: -len("_parameters_weight_")])
     return path.replace("_modules_", ".")
 
 
