@@ -27,7 +27,7 @@ class SiteReport:
     reason: str  # the matched form if fused, why not otherwise
     kernel: str = "-"
     kernel_reason: str = ""
-    residual: str = "-"  # "full" | "in sharded" | "out sharded" | "in+out sharded" | "sharded by the model ..."
+    residual: str = "-"  # "full" | "in sharded" | "out sharded" | "in+out sharded" | "sharded by the model"
     split: str = "not split"
     output: str = "-"  # "ring slot k" (left where the peers pushed it) | "copied (why)"
     #: the collectives the site is written with: "all_reduce", or "reduce_scatter/all_gather"
@@ -79,6 +79,8 @@ class GraphReport:
     label: str = ""
     #: what merging sibling linears did (``passes.merge_sibling_linears``), "" if it did not run
     projections: str = ""
+    #: all-gathers that are no fused site's (e.g. a vocab-parallel output's logits), by node name
+    other_gathers: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def matched_count(self) -> int:
@@ -116,6 +118,9 @@ class WeaveReport:
                 lines.append(f"  runs with its collectives as written, like plain Inductor: {g.as_written}")
             if g.projections:
                 lines.append("  " + g.projections)
+            if g.other_gathers:
+                lines.append(f"  left as written: {len(g.other_gathers)} all_gather(s) not after a fused norm "
+                             f"({', '.join(g.other_gathers)})")
             if g.split is not None:
                 lines.append("  " + g.split.describe())
             lines += _site_table(header, [s.row(bool(g.as_written)) for s in g.sites])
@@ -162,7 +167,8 @@ def _site_table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def graph_to_json(g: GraphReport) -> dict:
     return {"sites": [dataclasses.asdict(s) for s in g.sites], "op_counts": g.op_counts,
-            "split": dataclasses.asdict(g.split) if g.split is not None else None, "projections": g.projections}
+            "split": dataclasses.asdict(g.split) if g.split is not None else None, "projections": g.projections,
+            "other_gathers": g.other_gathers}
 
 
 def graph_from_json(compiler: str, note: str, payload: dict) -> GraphReport:
@@ -173,6 +179,7 @@ def graph_from_json(compiler: str, note: str, payload: dict) -> GraphReport:
     if payload.get("split"):
         g.split = SplitSummary(**payload["split"])
     g.projections = payload.get("projections", "")
+    g.other_gathers = payload.get("other_gathers", [])
     return g
 
 

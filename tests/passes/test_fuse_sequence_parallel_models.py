@@ -81,8 +81,9 @@ def test_torchtitan_plan_every_block_boundary_fused_at_batch_1_2_3(seed):
             # One graph per batch size DTensor's own guards tell apart (B == 1, B even, B odd:
             # plain Inductor compiles the same), none per sequence length.
             assert res["graphs"] == len(batches), res["text"]
-            # The output projection's gather of the logits is not a site; it stays as written.
+            # The output projection's gather of the logits is not a site; it stays as written, and says so.
             assert all(c["all_gather"] == (sites + 1, 1) for c in res["op_counts"]), res["op_counts"]
+            assert "left as written: 1 all_gather(s) not after a fused norm" in res["text"], res["text"]
 
 
 TITAN_2_RANKS = [("aot_eager", (1, 2, 3)), ("inductor", (2,))]

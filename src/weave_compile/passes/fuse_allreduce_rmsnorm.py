@@ -53,7 +53,7 @@ SITE_KEY = "weave_site"
 #: the shard pass leaves its layout alone.
 MODEL_SHARDED_KEY = "weave_model_sharded"
 #: What the report says of such a site's residual.
-MODEL_SHARDED = "sharded by the model (sequence parallel)"
+MODEL_SHARDED = "sharded by the model"
 
 
 def reducing_sites(graph: fx.Graph, reason: str = "") -> list[SiteReport]:

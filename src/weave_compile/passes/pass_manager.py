@@ -111,6 +111,9 @@ class WeavePassManager(CustomGraphPass):
                         for s in sites]
         report.split = split
         report.op_counts = {k: (before[k], after[k]) for k in before}
+        if self.config.fuse:
+            report.other_gathers = [n.name for n in graph.nodes
+                                    if graph_utils.is_call(n, graph_utils.ALL_GATHER_TARGETS)]
         log.debug("tokenweave: post-pass graph\n%s", graph)
 
     def uuid(self) -> str:
