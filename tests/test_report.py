@@ -69,6 +69,21 @@ def test_explain_text_lists_graphs_counts_split_and_sites():
     assert all(line[col - 2:col] == "  " and line[col] != " " for line in lines[7:9])
 
 
+def test_all_gathers_of_no_site_are_listed_as_written():
+    g = _graph()
+    g.other_gathers = ["all_gather_into_tensor_5"]
+    lines = str(report.explain()).splitlines()
+    assert "  left as written: 1 all_gather(s) not after a fused norm (all_gather_into_tensor_5)" in lines
+    assert report.graph_from_json("inductor", "", json.loads(report.dumps([g]))[0]).other_gathers == g.other_gathers
+
+
+def test_sites_of_two_forms_are_counted_apart():
+    g = _graph()
+    g.sites[1] = dataclasses.replace(g.sites[1], node="reduce_scatter_tensor", form="reduce_scatter/all_gather")
+    assert str(report.explain()).splitlines()[0] == (
+        "tokenweave: 1 graph(s), 2 site(s) (1 all_reduce, 1 reduce_scatter/all_gather), 1 fused")
+
+
 def test_op_counts_absent_before_and_after_are_left_out():
     g = _graph()
     g.op_counts["weave.allreduce_add_rmsnorm_start"] = (0, 0)

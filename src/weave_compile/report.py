@@ -1,6 +1,6 @@
 """What the backend found and did, for ``weave_compile.explain()``.
 
-Every all_reduce site the passes look at gets a :class:`SiteReport`: fused or not and why, the
+Every all_reduce and reduce_scatter site the passes look at gets a :class:`SiteReport`: fused or not and why, the
 kernel chosen and why, whether its residual stays sharded, whether it is split. The split pass's
 summary of a graph is a :class:`SplitSummary`. A :class:`GraphReport` groups one compiled graph's
 sites. The passes return these as plain values; the pass manager assembles them (no pass keeps a
@@ -21,15 +21,18 @@ from typing import Optional
 
 @dataclasses.dataclass
 class SiteReport:
-    node: str  # name of the all_reduce node in the post-grad graph
+    node: str  # name of the all_reduce (or reduce_scatter) node in the post-grad graph
     group: str
     fused: bool
     reason: str  # the matched form if fused, why not otherwise
     kernel: str = "-"
     kernel_reason: str = ""
-    residual: str = "-"  # "full" | "in sharded" | "out sharded" | "in+out sharded"
+    residual: str = "-"  # "full" | "in sharded" | "out sharded" | "in+out sharded" | "sharded by the model"
     split: str = "not split"
     output: str = "-"  # "ring slot k" (left where the peers pushed it) | "copied (why)"
+    #: the collectives the site is written with: "all_reduce", or "reduce_scatter/all_gather"
+    #: (sequence parallel); the "form / reason" cell names them too
+    form: str = "all_reduce"
 
     def row(self, as_written: bool = False) -> list[str]:
         fused = ("no (as written)" if as_written else "yes") if self.fused else "no"
@@ -76,6 +79,8 @@ class GraphReport:
     label: str = ""
     #: what merging sibling linears did (``passes.merge_sibling_linears``), "" if it did not run
     projections: str = ""
+    #: all-gathers that are no fused site's (e.g. a vocab-parallel output's logits), by node name
+    other_gathers: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def matched_count(self) -> int:
@@ -102,8 +107,7 @@ class WeaveReport:
 
     def __str__(self) -> str:
         header = ["site", "group", "fused", "form / reason", "kernel", "residual", "split", "output"]
-        lines = [f"tokenweave: {len(self.graphs)} graph(s), {len(self.sites)} all_reduce site(s), "
-                 f"{self.matched_count} fused"]
+        lines = [f"tokenweave: {len(self.graphs)} graph(s), {_count_sites(self.sites)}, {self.matched_count} fused"]
         for g in self.graphs:
             lines.append(f"graph {g.graph_id}" + (f" {g.label}" if g.label else "") + f" [{g.compiler}]"
                          + (f": {g.note}" if g.note else ""))
@@ -114,10 +118,21 @@ class WeaveReport:
                 lines.append(f"  runs with its collectives as written, like plain Inductor: {g.as_written}")
             if g.projections:
                 lines.append("  " + g.projections)
+            if g.other_gathers:
+                lines.append(f"  left as written: {len(g.other_gathers)} all_gather(s) not after a fused norm "
+                             f"({', '.join(g.other_gathers)})")
             if g.split is not None:
                 lines.append("  " + g.split.describe())
             lines += _site_table(header, [s.row(bool(g.as_written)) for s in g.sites])
         return "\n".join(lines)
+
+
+def _count_sites(sites: list[SiteReport]) -> str:
+    """"5 all_reduce site(s)" where every site has one form, else "7 site(s) (5 all_reduce, 2 ...)"."""
+    forms = {f: sum(s.form == f for s in sites) for f in dict.fromkeys(s.form for s in sites)}
+    if len(forms) <= 1:
+        return f"{len(sites)} {next(iter(forms), 'all_reduce')} site(s)"
+    return f"{len(sites)} site(s) (" + ", ".join(f"{n} {f}" for f, n in forms.items()) + ")"
 
 
 #: columns whose cells may end in "(why)": in a table, the why becomes a numbered note under it
@@ -152,7 +167,8 @@ def _site_table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def graph_to_json(g: GraphReport) -> dict:
     return {"sites": [dataclasses.asdict(s) for s in g.sites], "op_counts": g.op_counts,
-            "split": dataclasses.asdict(g.split) if g.split is not None else None, "projections": g.projections}
+            "split": dataclasses.asdict(g.split) if g.split is not None else None, "projections": g.projections,
+            "other_gathers": g.other_gathers}
 
 
 def graph_from_json(compiler: str, note: str, payload: dict) -> GraphReport:
@@ -163,6 +179,7 @@ def graph_from_json(compiler: str, note: str, payload: dict) -> GraphReport:
     if payload.get("split"):
         g.split = SplitSummary(**payload["split"])
     g.projections = payload.get("projections", "")
+    g.other_gathers = payload.get("other_gathers", [])
     return g
 
 

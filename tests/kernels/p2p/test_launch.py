@@ -210,6 +210,7 @@ SIM_CASES = [
               channel=1, seed=4),  # non-pow2 H, mixed dtypes, channel 1
     make_case(23, 64, "bf16", res="shard_out", weight=False, ctas=2, seed=5),
     make_case(64, 16, "bf16", res_dtype="fp32", mid="bf16", ctas=2, seed=6),  # 8 rows / CTA
+    make_case(24, 64, "bf16", res="first", ctas=2, seed=7),  # no residual in, this rank's rows out
 ]
 SIM_REPEATS = 2  # every case twice in a row with fresh data: pads must reset
 
@@ -323,7 +324,7 @@ def gpu_matrix_cases(smoke=False):
             for T in (1, 7, 128, 1000, 4096, 16384):
                 cs.append(make_case(T, H, dt, seed=len(cs) + 1))
     for T in (7, 1000):
-        for res in ("shard_in", "shard_out", "shard_both", "none"):
+        for res in ("shard_in", "shard_out", "shard_both", "none", "first"):
             cs.append(make_case(T, 4096, "bf16", res=res, seed=len(cs) + 1))
     cs += [
         make_case(128, 4096, "bf16", bias=False, weight=False, seed=101),
