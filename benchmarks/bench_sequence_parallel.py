@@ -42,7 +42,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Timer, meta as run_meta, write_csv  # noqa: E402  (keeps NVLink multicast off)
+from common import Timer, meta as run_meta, pyplot, write_csv  # noqa: E402  (keeps NVLink multicast off)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -101,13 +101,8 @@ def ran(variant: str, design: str, expected_sites: int) -> str:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        print(f"# matplotlib unavailable ({e}); no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     for v in dict.fromkeys(r["variant"] for r in rows if r["variant"] != "inductor"):
