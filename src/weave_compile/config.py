@@ -23,6 +23,8 @@ import json
 import types
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
+from weave_compile.kernels.spec import DEFAULT_COMM_CTAS, MAX_CTAS
+
 Compiler = Literal["inductor", "aot_eager"]
 SplitCost = Literal["measured", "formula"]
 Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
@@ -54,7 +56,7 @@ class Options:
     #: Thread blocks the fused communication kernel may occupy (1-32). 32 measured fastest on
     #: 2x H200 at every T >= 512 without overlap (docs/performance.md); TokenWeave uses 2-8
     #: while overlapping.
-    comm_ctas: int = 32
+    comm_ctas: int = DEFAULT_COMM_CTAS
     #: Split each layer into a token prefix and suffix whose fused communication runs on a
     #: second, high-priority stream while the other half computes (TokenWeave's overlap).
     #: Off by default: on 2x H200 (p2p kernel, 32 SMs) it measured 3-14% slower than the fused
@@ -97,8 +99,8 @@ class Options:
         kernels = valid_kernels()
         if self.kernel not in kernels:
             raise ValueError(f"tokenweave option 'kernel' must be one of {kernels}, got {self.kernel!r}")
-        if self.comm_ctas < 1 or self.comm_ctas > 32:  # the kernels' signal-pad budget per channel
-            raise ValueError(f"tokenweave option 'comm_ctas' must be in [1, 32], got {self.comm_ctas}")
+        if self.comm_ctas < 1 or self.comm_ctas > MAX_CTAS:  # the kernels' signal-pad budget per channel
+            raise ValueError(f"tokenweave option 'comm_ctas' must be in [1, {MAX_CTAS}], got {self.comm_ctas}")
         if self.split_threshold < 2:
             raise ValueError(f"tokenweave option 'split_threshold' must be >= 2 (two non-empty halves), "
                              f"got {self.split_threshold}")

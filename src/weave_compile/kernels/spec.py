@@ -14,7 +14,12 @@ from typing import Optional
 
 import torch
 
-from .shared.common import DEFAULT_COMM_CTAS, MAX_CTAS
+#: Thread blocks the fused communication may occupy at most: the signal slots each channel of a
+#: symmetric workspace reserves per rank.
+MAX_CTAS = 32
+#: ``comm_ctas`` when nothing says otherwise: the backend option's default and a direct call's,
+#: so both launch the same grid (the op is fastest alone at the most CTAs, docs/performance.md).
+DEFAULT_COMM_CTAS = MAX_CTAS
 
 
 @dataclasses.dataclass(frozen=True)
