@@ -88,7 +88,7 @@ def test_push_meta_is_rank_independent_fits_and_covers_rows():
                         assert world == 2 and nbytes == 2 and 2048 <= H and H * nbytes <= 8192
                         assert math.ceil(S / ctas) >= launch.ROWWISE_WARPS  # no idle warps
                         assert m.block_rows * m.norm_unroll == m.num_warps == launch.ROWWISE_WARPS
-                        assert (m.norm_chunk, m.norm_depth) == (launch.ROWWISE_CHUNK, launch.ROWWISE_DEPTH)
+                        assert (m.norm_chunk, m.norm_depth) == (launch.ROWWISE_CHUNK, launch.PUSH_ROWWISE_DEPTH)
                     assert 1 <= m.grid <= ctas and m.block_h >= H
                     for n in (m.block_rows, m.copy_unroll, m.norm_unroll):
                         assert 1 <= n <= 8 and n & (n - 1) == 0  # tl.arange needs powers of 2
