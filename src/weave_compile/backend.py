@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch._dynamo.exc import ShortenTraceback
 
-from weave_compile import agreement
+from weave_compile import agreement, backward_hooks
 from weave_compile import report as report_mod
 from weave_compile.config import TokenWeaveConfig
 from weave_compile.passes.pass_manager import WeavePassManager
@@ -66,6 +66,11 @@ def tokenweave_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
         compiled, passes.comm_plans, written=passes.written_plans, timeout_s=config.agreement_timeout_s,
         as_written=as_written, on_degraded=lambda reason: report_mod.mark_as_written(reports, reason),
         what=f"graph {reports[0].graph_id}" if reports else "the graph")
+
+
+# Dynamo resolves backend="tokenweave" (importing this module) before it traces: from here on, the
+# module backward hooks a forward under no_grad cannot fire are traced as what they are, no-ops.
+backward_hooks.install(tokenweave_backend)
 
 
 def graph_break(gm) -> Optional[str]:
