@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import types
@@ -134,11 +135,9 @@ class Options:
         if not isinstance(options, dict):
             raise TypeError(f"tokenweave options must be a dict or weave_compile.Options, got "
                             f"{type(options).__name__} {options!r}")
-        unknown = sorted(set(options) - set(cls.valid_keys()))
-        if unknown:
-            close = {k: difflib.get_close_matches(k, cls.valid_keys(), n=1) for k in unknown}
-            hints = "".join(f" ({k!r}: did you mean {m[0]!r}?)" for k, m in close.items() if m)
-            raise ValueError(f"unknown tokenweave option(s) {unknown}{hints}; valid keys: {cls.valid_keys()}")
+        message = _unknown_keys(options)
+        if message:
+            raise ValueError(message)
         return cls(**options)
 
     def cache_key(self) -> str:
@@ -153,6 +152,33 @@ def valid_kernels() -> list[str]:
 
     return [registry.AUTO, *registry.names()]
 
+
+def _unknown_keys(given) -> str:
+    """What is wrong with the option names in ``given`` (with a did-you-mean), "" if nothing."""
+    valid = Options.valid_keys()
+    unknown = sorted(set(given) - set(valid))
+    if not unknown:
+        return ""
+    close = {k: difflib.get_close_matches(k, valid, n=1) for k in unknown}
+    hints = "".join(f" ({k!r}: did you mean {m[0]!r}?)" for k, m in close.items() if m)
+    return f"unknown tokenweave option(s) {unknown}{hints}; valid keys: {valid}"
+
+
+def _checked_init(init):
+    """``Options(kernal=...)``: the dataclass's own ``TypeError`` names the keyword only; this one
+    says what the dict form says (the close option, every valid one). Still a ``TypeError``, as
+    for any unexpected keyword argument."""
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        message = _unknown_keys(kwargs)
+        if message:
+            raise TypeError(message)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+Options.__init__ = _checked_init(Options.__init__)
 
 #: Backward-compatible name of :class:`Options`.
 TokenWeaveConfig = Options

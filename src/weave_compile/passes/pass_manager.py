@@ -31,6 +31,7 @@ import dataclasses
 import hashlib
 import logging
 
+import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -93,8 +94,10 @@ class WeavePassManager(CustomGraphPass):
         before = _count_ops(graph)
         # Only a rewriting run can make ranks' collectives differ; fuse=False is plain Inductor.
         written = agreement.plan(graph) if self.config.fuse else {}
+        merges = self.merge(graph) if self.config.fuse else []
+        report.merged = [len(m.merged) for m in merges]
+        report.leaves = _leaving_before_norm(graph)
         if self.config.fuse:
-            merges = self.merge(graph)
             sites = annotate_merged(self.fuse(graph), merges)
         else:
             sites = reducing_sites(graph, "fuse disabled by option")
@@ -119,6 +122,23 @@ class WeavePassManager(CustomGraphPass):
     def uuid(self) -> str:
         parts = [p.uuid() for p in self.passes] + [self.config.cache_key(), base.sources_digest()]
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _leaving_before_norm(graph: fx.Graph) -> list[str]:
+    """The all_reduces (and reduce_scatters) whose result reaches the graph's output before any RMSNorm: where a graph
+    break ends the graph, the norm they would fuse with is in the next graph. Reading the graph
+    backwards, a node reaches the output if it is the output or a reader does, not counting an
+    ``rsqrt`` nor what reads one (the norm's product): one pass over the graph."""
+    rsqrt = torch.ops.aten.rsqrt.default
+
+    def normed(node: fx.Node) -> bool:
+        return node.target == rsqrt or any(a.target == rsqrt for a in node.all_input_nodes)
+
+    reaches: set[fx.Node] = set()
+    for node in reversed(graph.nodes):
+        if node.op == "output" or any(u in reaches and not normed(u) for u in node.users):
+            reaches.add(node)
+    return [n.name for n in graph.nodes if n in reaches and graph_utils.is_call(n, graph_utils.REDUCING_TARGETS)]
 
 
 def _count_ops(graph: fx.Graph) -> dict[str, int]:
