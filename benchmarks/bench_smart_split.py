@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true", help="CPU, fp32, tiny T: runs every code path, times nothing real")
     args = ap.parse_args()
 
-    from weave_compile import smart_split as ss
+    from weave_compile.passes.split_tokens import smart_split as ss
 
     dry = args.dry_run or not torch.cuda.is_available()
     device = torch.device("cpu") if dry else torch.device("cuda", 0)

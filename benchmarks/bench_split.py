@@ -24,7 +24,7 @@ a 4-layer stack at these sizes is bound by host launch overhead (the split doubl
 which hides what the GPU does.
 
 Every variant is compiled as a static graph per T (``dynamic=False``; the split then uses the
-smart split of ``weave_compile.smart_split``); ``--dynamic`` compiles one graph per variant with
+smart split of ``weave_compile.passes.split_tokens.smart_split``); ``--dynamic`` compiles one graph per variant with
 the token dimension dynamic instead (the split then uses T // 2). ``--sweep T,...`` also times
 forced split points ``T//2 + offset`` (variants ``split:<offset>``) at those T, to compare the
 smart choice with the best swept one.

@@ -2,7 +2,7 @@
 
 For Llama-3 heads at TP=2 (``8b``: 16 query / 4 kv heads, ``70b``: 32 / 4; d=128; bf16, batch 1)
 and T = 1024..16384, split at ``T // 2`` (``half``) and at the smart split's point for the layer
-of those dims (``smart``: :func:`weave_compile.smart_split.plan` on cuBLAS curves measured here),
+of those dims (``smart``: :func:`weave_compile.passes.split_tokens.smart_split.plan` on cuBLAS curves measured here),
 times:
 
 * ``whole``: causal SDPA over all T tokens (what the unsplit layer runs);
@@ -58,7 +58,7 @@ COLUMNS = ["gpu", "torch", "triton", "git_commit", "date", "heads", "q_heads", "
 
 def layer_shape(name: str):
     """The smart split's view of one TP=2 Llama layer of these dims (what the split pass extracts)."""
-    from weave_compile.smart_split import LayerShape
+    from weave_compile.passes.split_tokens.smart_split import LayerShape
 
     hq, hkv, d, hidden, inter = HEADS[name]
     gemms = ((hq * d, hidden), (hkv * d, hidden), (hkv * d, hidden), (hidden, hq * d),
@@ -70,7 +70,7 @@ def split_points(name: str, t: int, smart: bool, device) -> list[tuple[str, int]
     """``T // 2`` and the smart split's point (on the CPU: its SM formula), if different."""
     points = [("half", t // 2)]
     if smart:
-        from weave_compile import smart_split
+        from weave_compile.passes.split_tokens import smart_split
 
         at = smart_split.plan(t, layer_shape(name), cost="measured", device=device).at
         if at != t // 2:

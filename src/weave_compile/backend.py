@@ -49,7 +49,7 @@ def tokenweave_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
     passes = WeavePassManager(config, config.compiler)
     merged = None
     if config.split and config.merge_projections:
-        from weave_compile.passes.merge_sibling_linears import merge_sibling_linears
+        from weave_compile.passes.split_tokens.merge_projections import merge_sibling_linears
 
         merged = merge_sibling_linears(gm, example_inputs, min_rows=config.split_threshold)
         passes.projections = merged.describe()

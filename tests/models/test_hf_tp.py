@@ -366,7 +366,7 @@ def test_split_merges_plain_projections_and_leaves_dtensor_ones_alone_saying_why
     the plan sharded into DTensors stay separate, each group with the reason
     (merge_sibling_linears.DTENSOR_REASON). Which is which follows the plan of the transformers
     release (5.24 replicates GraniteMoE's attention, for one)."""
-    from weave_compile.passes.merge_sibling_linears import DTENSOR_REASON
+    from weave_compile.passes.split_tokens.merge_projections import DTENSOR_REASON
 
     for res in _get(results, "split", arch):
         dtensors = {n.removeprefix("model.") for n in res["dtensor_weights"]}

@@ -32,7 +32,7 @@ def test_editing_any_library_module_changes_the_manager_uuid(package_copy):
     files = base.library_files(package_copy)
     names = {p.relative_to(package_copy).as_posix() for p in files}
     # The modules that decide the graph, among them the ones a hand-written list once missed.
-    assert {"config.py", "smart_split.py", "ops/allreduce_rmsnorm.py", "kernels/auto.py", "kernels/registry.py",
+    assert {"config.py", "passes/split_tokens/smart_split.py", "ops/allreduce_rmsnorm.py", "kernels/auto.py", "kernels/registry.py",
             "passes/split_tokens/rules.py"} <= names
     assert any(n.startswith("kernels/") and n != "kernels/__init__.py" for n in names), names
     assert not any(n.startswith("testing/") for n in names)
@@ -85,7 +85,7 @@ def test_a_pass_uuid_hashes_its_own_source(tmp_path):
 
 
 def test_the_split_pass_uuid_covers_its_whole_package():
-    from weave_compile.passes.split_tokens import SplitTokensPass
+    from weave_compile.passes.split_tokens.split import SplitTokensPass
 
     pkg = base.package_root() / "passes" / "split_tokens"
     h = hashlib.sha256()

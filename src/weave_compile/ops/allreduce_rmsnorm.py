@@ -165,7 +165,7 @@ def _start(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """``weave::allreduce_add_rmsnorm`` launched on the communication stream (the split schedule's form).
 
     Same arguments and results, but on CUDA the work is enqueued on
-    :func:`weave_compile.streams.comm_stream` after everything already enqueued on the current
+    :func:`weave_compile.ops.streams.comm_stream` after everything already enqueued on the current
     stream, and the results are valid on the current stream only after the matching
     ``weave::comm_wait``. The graph passes ``x`` and ``residual`` to that wait as well, so their
     memory is not reused while the communication stream may still read it. On CPU it runs
@@ -176,7 +176,7 @@ def _start(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     x = a["x"]
     if not x.is_cuda:
         return _call(a, beside_compute=True)
-    from weave_compile import streams
+    from weave_compile.ops import streams
 
     current = torch.cuda.current_stream(x.device)
     with torch.cuda.stream(streams.fork(x.device)):
@@ -201,7 +201,7 @@ def comm_wait(normed: torch.Tensor, residual_out: torch.Tensor, keep_alive: list
     of the results after it; ``keep_alive`` (the start's inputs) holds their memory until here.
     """
     if normed.is_cuda:
-        from weave_compile import streams
+        from weave_compile.ops import streams
 
         streams.join(normed)
 

@@ -48,13 +48,19 @@ def sources_digest() -> str:
 class WeavePass:
     """A tokenweave pass: ``pass_(graph)`` rewrites the graph and returns what it did.
 
-    ``uuid()`` hashes the pass's own source: its module, or every module of its package.
+    ``uuid()`` hashes the pass's own source: its module, or every module of its package where the
+    pass is a package's (``WHOLE_PACKAGE``: the token split, whose rewrite calls every module of
+    its package).
     """
+
+    #: the pass's source is every module of the package it is defined in
+    WHOLE_PACKAGE = False
 
     def uuid(self) -> str:
         module = sys.modules[type(self).__module__]
         path = Path(module.__file__)
-        files = sorted(path.parent.rglob("*.py")) if path.name == "__init__.py" else [path]
+        whole = self.WHOLE_PACKAGE or path.name == "__init__.py"
+        files = sorted(path.parent.rglob("*.py")) if whole else [path]
         h = hashlib.sha256()
         for p in files:
             h.update(p.read_bytes())

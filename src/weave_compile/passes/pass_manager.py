@@ -46,7 +46,7 @@ from .fuse_allreduce_rmsnorm import FuseAllReduceRMSNormPass, reducing_sites
 from .merge_all_reduces import MergeAllReducesPass, annotate_merged
 from .output_in_place import OFF, OutputInPlacePass
 from .shard_residual import ShardResidualPass
-from .split_tokens import SplitTokensPass
+from .split_tokens.split import SplitTokensPass
 
 log = logging.getLogger(__name__)
 

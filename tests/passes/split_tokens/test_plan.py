@@ -42,7 +42,7 @@ def test_static_token_count_uses_the_smart_split_or_the_forced_one_and_a_batch_s
 
 def _plans(rank, world_size, seed):
     import weave_compile
-    from weave_compile import smart_split
+    from weave_compile.passes.split_tokens import smart_split
     from weave_compile.testing.models import LlamaDims, TPLlama
     from weave_compile.testing.numerics import rel_err
 

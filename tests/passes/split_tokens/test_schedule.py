@@ -8,7 +8,7 @@ from .helpers import graph_after_passes
 
 
 def _schedule(rank, world_size, seed):
-    from weave_compile.passes.split_tokens import START_OP, WAIT_OP
+    from weave_compile.ops import START_OP, WAIT_OP
 
     graph = graph_after_passes(rank, world_size, seed, layers=2)
     events, pos = [], {}

@@ -1,97 +1,20 @@
-"""Split the token-wise part of the graph into a prefix (A) and a suffix (B) on two streams.
+"""The token split: TokenWeave's coarse split of every layer into a prefix (A) and a suffix (B),
+each half's fused communication on a second stream while the other half computes.
 
-TokenWeave's coarse token split, as a post-grad FX pass that runs after ``fuse``:
+Everything the split is lives in this package:
 
-1. **Where** (:mod:`.rewriter`, :mod:`.rules`, :mod:`.attention`). Every
-   ``weave::allreduce_add_rmsnorm`` op becomes a pair of ops, one per half. From there the pass
-   walks the graph in order and gives every op that is *token-wise* (row ``t`` of its output
-   depends only on row ``t`` of its token-carrying inputs) a copy per half: GEMMs with the token
-   rows as M, pointwise ops (broadcast operands that carry the token dimension, e.g. rotary
-   ``cos``/``sin``, are sliced), views/permutes/expands (the token dimension is tracked through
-   them), reductions over other dimensions, embedding/index lookups, unfused collectives. Causal
-   self-attention, the one op that mixes tokens, becomes plain causal attention over A's own
-   keys for A, and ``weave::causal_suffix_attention`` (B's queries over A's keys and, causally,
-   its own) for B. Any other op that reads a split value is a *barrier*: it gets the halves concatenated
-   back and runs whole (recorded in explain()), so the result is never wrong, only less overlapped.
-2. **When** (here). Only where batch x tokens >= ``split_threshold``. For a symbolic token count
-   the pass adds a guard on that comparison (one graph below, one above; no recompile per length).
-3. **How much** (:mod:`.plan`). The prefix length comes from :mod:`weave_compile.smart_split`.
-4. **Streams** (:mod:`.schedule`). Each half's fused op runs on the comm stream
-   (``weave::allreduce_add_rmsnorm_start`` + ``weave::comm_wait``), in TokenWeave's interleaved order.
+- :mod:`.options`: its options (:class:`.options.SplitOptions`, which ``weave_compile.Options``
+  extends) and their checks;
+- :mod:`.decision`: whether a graph is split, decided once, before the fuse pass, and handed to
+  ``auto`` (which chooses each site's design for a split or an unsplit layer) and to the rewrite;
+  ``split_threshold`` is compared there only;
+- :mod:`.merge_projections`: the pre-pass on the Dynamo graph that runs sibling linears (q/k/v,
+  gate/up) as one GEMM, so a half does not pay each small GEMM's fixed cost again;
+- :mod:`.smart_split` and :mod:`.gemm_cost`: where to cut (the layer's GEMM waves, measured
+  cuBLAS curves);
+- :mod:`.split` (the post-grad pass), :mod:`.rewriter`, :mod:`.plan`, :mod:`.rules`,
+  :mod:`.attention`, :mod:`.schedule`, :mod:`.values`: the rewrite itself.
+
+Importing the package imports none of them (``weave_compile.Options`` reads :mod:`.options`
+alone).
 """
-
-from __future__ import annotations
-
-import logging
-from typing import Optional
-
-import torch
-import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import guard_bool
-
-from weave_compile.config import TokenWeaveConfig
-from weave_compile.ops import FUSED_OP, START_OP, WAIT_OP
-from weave_compile.report import SplitSummary
-
-from ..base import WeavePass
-from ..fuse_allreduce_rmsnorm import MODEL_SHARDED_KEY
-from ..graph_utils import is_call, named_args, val
-from .rewriter import Rewriter
-from .values import NotSplit, batch_split, prod
-
-log = logging.getLogger(__name__)
-
-__all__ = ["START_OP", "WAIT_OP", "SplitSummary", "SplitTokensPass"]
-
-#: Why a graph with sequence-parallel sites is not split. Each half's fused op would own 1/N of that
-#: half's rows on every rank, but the model's residual shard is one contiguous piece of every
-#: sequence per rank: a token half is not one shard per rank, and re-laying the residual out per
-#: half would add a copy and a collective at every site.
-SEQUENCE_PARALLEL_DECLINED = ("sequence-parallel sites: the model shards each sequence across the ranks, so a "
-                              "token half is not one shard per rank (re-laying the residual out per half would "
-                              "add a copy and a collective at every site)")
-
-
-class SplitTokensPass(WeavePass):
-    """Returns what it did to the graph (a :class:`SplitSummary`)."""
-
-    def __init__(self, config: TokenWeaveConfig):
-        self.config = config
-
-    def __call__(self, graph: fx.Graph) -> SplitSummary:
-        summary = SplitSummary()
-        fused = [n for n in graph.nodes if is_call(n, FUSED_OP)]
-        why = self._why_not(fused)
-        if why:
-            summary.reason = why
-            log.info("tokenweave: token split not applied: %s", why)
-            return summary
-        try:
-            Rewriter(graph, self.config, fused, summary).run()
-        except NotSplit as e:  # raised before the graph is touched
-            summary.reason = str(e)
-            log.info("tokenweave: token split not applied: %s", e)
-        return summary
-
-    def _why_not(self, fused: list[fx.Node]) -> Optional[str]:
-        if not fused:
-            return "no fused AllReduce-RMSNorm site"
-        if any(n.meta.get(MODEL_SHARDED_KEY) for n in fused):
-            return SEQUENCE_PARALLEL_DECLINED
-        x = val(named_args(fused[0])["x"])
-        if x.dim() < 2:
-            return "fused op input has no token dimension"
-        seq = x.shape[0] if batch_split(x) else x.shape[-2]  # the dimension to split
-        rows = prod(x.shape[:-1])
-        threshold = self.config.split_threshold
-        if isinstance(rows, torch.SymInt):
-            # One graph per side of the threshold: Dynamo checks this guard before every call.
-            if not guard_bool(rows >= threshold):
-                return f"fewer than split_threshold={threshold} tokens (guarded)"
-            if not guard_bool(seq >= 2):
-                return "fewer than 2 tokens to split"
-        elif rows < threshold:
-            return f"{rows} tokens < split_threshold={threshold}"
-        elif seq < 2:
-            return "fewer than 2 tokens to split"
-        return None

@@ -1,10 +1,10 @@
 """Where the token split cuts: the split dimension's two sizes, from the smart split or forced.
 
-With a static token count the prefix length comes from :func:`weave_compile.smart_split.plan`:
+With a static token count the prefix length comes from :func:`weave_compile.passes.split_tokens.smart_split.plan`:
 the layer time with overlap, on cuBLAS curves of this graph's GEMM shapes measured on the GPU at
 compile time (the SM formula off-GPU or with ``split_cost="formula"``), its prediction recorded
 for explain(). With a symbolic count the compiled code evaluates a tile-aligned near-half per call,
-``((T // 2 + 63) // 64) * 64`` (:func:`weave_compile.smart_split.near_half`; ``T // 2`` where
+``((T // 2 + 63) // 64) * 64`` (:func:`weave_compile.passes.split_tokens.smart_split.near_half`; ``T // 2`` where
 fewer than 128 tokens can reach the graph). A batch split (``[B, S, H]`` with ``B >= 2``) cuts
 whole sequences.
 """
@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import guard_bool
 
-from weave_compile import smart_split
+from . import smart_split
 from weave_compile.config import TokenWeaveConfig
 from weave_compile.ops.sibling_linear import SIBLING_LINEAR
 

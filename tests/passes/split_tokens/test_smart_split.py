@@ -5,9 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weave_compile import gemm_cost
-from weave_compile import smart_split as ss
-from weave_compile.smart_split import LayerShape
+from weave_compile.passes.split_tokens import gemm_cost
+from weave_compile.passes.split_tokens import smart_split as ss
+from weave_compile.passes.split_tokens.smart_split import LayerShape
 
 LLAMA8B_TP2 = LayerShape(gemms=((3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168)), attn_width=16 * 128,
                          hidden=4096, sites=2)
@@ -164,8 +164,8 @@ def _ranks_disagree(rank, world_size):
     """Each rank's 'measurement' favours another split; all must take rank 0's."""
     import torch.distributed as dist
 
-    from weave_compile import gemm_cost as gc
-    from weave_compile import smart_split as s
+    from weave_compile.passes.split_tokens import gemm_cost as gc
+    from weave_compile.passes.split_tokens import smart_split as s
 
     torch.cuda.is_available = lambda: True
 

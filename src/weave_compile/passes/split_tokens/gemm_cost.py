@@ -1,6 +1,6 @@
 """Time of the layer's own GEMMs at candidate row counts: measured with cuBLAS, cached on disk.
 
-The split chooser (:mod:`weave_compile.smart_split`) needs, for every token-wise GEMM of the
+The split chooser (:mod:`.smart_split`) needs, for every token-wise GEMM of the
 graph (``[M, K] @ [K, N]``, the weight stored ``[N, K]`` as ``nn.Linear`` keeps it), its time at
 the row counts ``M`` a split could give each half. A tile formula does not describe the kernels
 cuBLAS picks per ``M`` (the formula's split measured up to 8.5% off the best one), so on a GPU

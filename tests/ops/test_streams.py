@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from weave_compile import streams
+from weave_compile.ops import streams
 
 
 @dataclass
@@ -92,7 +92,7 @@ def test_each_join_waits_for_its_own_start_only(fake_cuda):
 
 
 def test_join_without_a_start_waits_for_the_whole_stream_and_says_so(fake_cuda, caplog):
-    with caplog.at_level(logging.WARNING, logger="weave_compile.streams"):
+    with caplog.at_level(logging.WARNING, logger="weave_compile.ops.streams"):
         streams.join(FakeTensor(300))
     current = fake_cuda[1]
     assert current.waited_streams == [streams.comm_stream(torch.device("cuda", 1))]

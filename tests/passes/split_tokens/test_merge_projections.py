@@ -6,7 +6,7 @@ import torch
 
 from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
 
-from .split_tokens.helpers import THRESHOLD, tokens, tp_llama
+from .helpers import THRESHOLD, tokens, tp_llama
 
 
 def _adjacent(*params) -> bool:
@@ -113,7 +113,7 @@ class _Siblings(torch.nn.Module):
 
 
 def _compile_with_pass(model, x, min_rows=0):
-    from weave_compile.passes.merge_sibling_linears import merge_sibling_linears
+    from weave_compile.passes.split_tokens.merge_projections import merge_sibling_linears
 
     out = {}
 
@@ -191,7 +191,7 @@ def test_hugging_face_tp_plan_projections_are_left_alone_with_the_reason(seed, c
     recompile (merge_sibling_linears' docstring): each group stays separate, with that reason, and
     the model recompiles and computes right."""
     pytest.importorskip("transformers")
-    from weave_compile.passes.merge_sibling_linears import DTENSOR_REASON
+    from weave_compile.passes.split_tokens.merge_projections import DTENSOR_REASON
 
     tol = 1e-5 if compiler == "aot_eager" else 1e-4  # Inductor reorders float32 sums
     for err, err2, projections in assert_ranks_ok(run_ranks(_hf_tp_plan, 2, args=(seed, compiler), timeout=600)):

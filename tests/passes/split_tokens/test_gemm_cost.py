@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from weave_compile import gemm_cost as gc
+from weave_compile.passes.split_tokens import gemm_cost as gc
 
 KEY = gc.GemmKey(device="Fake GPU", torch="0", blas="cublas0/default", n=4096, k=2048, dtype="bfloat16")
 
@@ -40,7 +40,7 @@ def test_an_unusable_file_is_a_miss_with_a_warning(tmp_path, caplog, content):
     if content.startswith("KEY:"):
         content = json.dumps({"key": KEY.__dict__, "points": json.loads(content[4:])})
     (tmp_path / f"{KEY.digest()}.json").write_text(content)
-    with caplog.at_level(logging.WARNING, logger="weave_compile.gemm_cost"):
+    with caplog.at_level(logging.WARNING, logger="weave_compile.passes.split_tokens.gemm_cost"):
         assert gc.load(KEY, str(tmp_path)) == {}
     assert "unusable" in caplog.text
 
@@ -48,7 +48,7 @@ def test_an_unusable_file_is_a_miss_with_a_warning(tmp_path, caplog, content):
 def test_an_unwritable_cache_is_logged_not_raised(tmp_path, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("x")  # a file where the folder should be
-    with caplog.at_level(logging.WARNING, logger="weave_compile.gemm_cost"):
+    with caplog.at_level(logging.WARNING, logger="weave_compile.passes.split_tokens.gemm_cost"):
         gc.store(KEY, {64: 1.0}, str(blocker / "sub"))
     assert "could not write" in caplog.text
 

@@ -18,7 +18,7 @@ Where no split point hides both, the one with the least predicted layer time
 size measured here); ``T // 2`` below the size where that range holds none.
 
 * **GEMM time** is the layer's own GEMM shapes (the N, K the split pass extracts) timed with
-  cuBLAS at those row counts on this GPU and cached on disk (:mod:`weave_compile.gemm_cost`);
+  cuBLAS at those row counts on this GPU and cached on disk (:mod:`.gemm_cost`);
   without a GPU, or with ``split_cost="formula"``, the SM-count wave formula.
 * **Attention time**: causal attention's FLOPs (the suffix's queries also read the prefix's
   keys, so it costs more per token) at :data:`ATTN_FLOPS` per second.
@@ -44,7 +44,7 @@ from typing import Callable, Optional
 
 import torch
 
-from weave_compile import gemm_cost
+from . import gemm_cost
 
 log = logging.getLogger(__name__)
 
