@@ -676,7 +676,7 @@ def parse(argv=None):
                     "(writes floor_smoke.csv)")
     ap.add_argument("--comm", choices=("fake", "nccl"), default="fake",
                     help="fake: one GPU, fake process group (default); nccl: under torchrun, 2 GPUs")
-    ap.add_argument("--dims", help="comma list of 8b, 70b (default both)")
+    ap.add_argument("--dims", help="comma list of 8b, 70b (default both; '' for none: --decode alone)")
     ap.add_argument("--archs", help=f"comma list of weave_compile.testing.hf.ARCHS (default {','.join(ARCHS)})")
     ap.add_argument("--tokens", help=f"comma list (default {','.join(map(str, TOKENS))})")
     ap.add_argument("--variants", default=",".join(VARIANTS),
@@ -776,8 +776,10 @@ def keep_row(args, row: dict) -> bool:
 
 
 def measure_all(run: Run, args) -> None:
-    """Per dims: the implementations, the floor they make, auto and fallback on it, the op alone;
-    then decode."""
+    """Decode first (a few compiles: not starved by a time limit), then per dims: the
+    implementations, the floor they make, auto and fallback on it, the op alone."""
+    if args.decode:
+        decode(run, args.decode_dims)
     for dims in args.dims:
         if args.floor == "measured":
             for arch in args.archs:
@@ -795,8 +797,6 @@ def measure_all(run: Run, args) -> None:
                 measure(run, arch, dims, vs, args.tokens, bucket_of)
         if args.ops:
             ops(run, dims, args.tokens)
-    if args.decode:
-        decode(run, args.decode_dims)
 
 
 def main(argv=None) -> None:

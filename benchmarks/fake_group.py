@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 from typing import Iterator
 
 import torch
@@ -45,7 +46,7 @@ def init(world_size: int = 2, device: int = 0) -> torch.device:
     """Rank 0 of a fake process group of ``world_size`` on CUDA device ``device`` (one process)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if int(__import__("os").environ.get("WORLD_SIZE", "1")) > 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise SystemExit("the fake process group runs in ONE process on one GPU; do not use torchrun")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     if torch.cuda.is_available():
