@@ -215,7 +215,7 @@ def ce_design(rows: int, hidden: int, ctas: int, dev) -> Design:
     xs, res, weight = _emulated_inputs(2, rows, hidden, dev)
     streams = [torch.cuda.Stream(dev) for _ in range(2)]
     spec = FusedSpec(DTYPE, DTYPE, residual_in_sharded=True, residual_out_sharded=True, comm_ctas=ctas)
-    rank_rows = [Rows.of(xs[r], res[r], weight=weight, residual_in_sharded=True) for r in range(2)]
+    rank_rows = [Rows.of(xs[r], res[r], weight=weight) for r in range(2)]
     for r in range(2):  # load every kernel before any stream waits on a peer
         ce.preload(ce.ce_call(wss[r], rank_rows[r], spec, run=False)[2])
 
@@ -238,7 +238,7 @@ def oneshot_design(rows: int, hidden: int, ctas: int, dev) -> Optional[Design]:
            for r in range(2)]
     xs, res, weight = _emulated_inputs(2, rows, hidden, dev)
     spec = FusedSpec(DTYPE, DTYPE, residual_in_sharded=True, residual_out_sharded=True, comm_ctas=ctas)
-    rank_rows = [Rows.of(xs[r], res[r], weight=weight, residual_in_sharded=True) for r in range(2)]
+    rank_rows = [Rows.of(xs[r], res[r], weight=weight) for r in range(2)]
     outs = [(torch.empty(rows, hidden, device=dev, dtype=DTYPE), torch.empty(S, hidden, device=dev, dtype=DTYPE))
             for _ in range(2)]
     streams = [torch.cuda.Stream(dev) for _ in range(2)]

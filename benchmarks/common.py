@@ -111,6 +111,20 @@ class Timer:
         return us
 
 
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend, or None (with a line saying why) where matplotlib
+    is missing: a benchmark still writes its CSV."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        print(f"# matplotlib unavailable ({e}); no plot")
+        return None
+    return plt
+
+
 def write_csv(path: str, rows: list[dict], columns: list[str]) -> None:
     """Write ``rows`` (every column present) to ``path``, replacing it; call after every point so
     a run cut short keeps what it measured."""

@@ -13,7 +13,8 @@ whose all_reduces are all there is to fuse; ``--target causal_lm`` adds the lm_h
 token) for each ``--variants``:
 
     eager       the TP model as transformers runs it
-    default     torch.compile(model, fullgraph=True): Inductor with NCCL all_reduces
+    default     torch.compile(model, fullgraph=True): Inductor with NCCL all_reduces (module
+                backward hooks traced as no-ops, as for tokenweave: ``inductor`` below)
     tokenweave  torch.compile(model, backend="tokenweave", fullgraph=True)
     nocomm      "default" with every all_reduce replaced by the identity: wrong results, the
                 ceiling for what hiding communication can give
@@ -93,7 +94,20 @@ def _compiled(model, variant: str, kernel: str, dynamic: Optional[bool] = None):
         return model
     if variant == "tokenweave":
         return torch.compile(model, backend="tokenweave", fullgraph=True, dynamic=dynamic, options={"kernel": kernel})
-    return torch.compile(model, fullgraph=True, dynamic=dynamic)  # default, nocomm
+    return torch.compile(model, backend=inductor, fullgraph=True, dynamic=dynamic)  # default, nocomm
+
+
+def inductor(gm: torch.fx.GraphModule, example_inputs):
+    """``torch.compile``'s default backend, Inductor, for the ``default`` and ``nocomm`` variants.
+
+    Under its own name so that transformers 5.17's q/k-norm backward hooks (Qwen3, Gemma3) trace
+    as the no-ops they are under no_grad for the baseline too (``weave_compile.backward_hooks``):
+    torch.compile alone refuses them with ``fullgraph=True``, and without it would cut the model
+    into a graph per q/k norm, not the same program as the ``tokenweave`` variant compiles.
+    """
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs)
 
 
 def _diff(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -106,7 +120,10 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     import contextlib
 
     import weave_compile
+    from weave_compile import backward_hooks
     from weave_compile.testing.hf import build_model, expected_fused_sites, prompt, without_all_reduce
+
+    backward_hooks.install(inductor)
 
     # A graph served from Inductor's caches skips the passes, and the explain report would be empty.
     torch._inductor.config.fx_graph_cache = args.fx_cache

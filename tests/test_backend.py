@@ -140,3 +140,71 @@ def test_explain_survives_an_fx_graph_cache_hit(tmp_path):
         assert first[0] == [""] and len(first[1]) == 3 and all(s[1] for s in first[1])
         assert "FX graph cache" in second[0][0], second
         assert second[1] == first[1]  # the same sites, as recorded when compiled
+
+
+class _BrokenBlock(nn.Module):
+    """A row-parallel projection whose all_reduce -> +residual -> RMSNorm a graph break cuts apart."""
+
+    def __init__(self, hidden: int = 16):
+        super().__init__()
+        self.proj, self.norm = nn.Linear(8, hidden, bias=False), nn.RMSNorm(hidden, eps=1e-6)
+
+    def forward(self, x, residual):
+        y = self.proj(x)
+        dist.all_reduce(y)
+        h = y + residual
+        if h.sum() > 0:  # data-dependent branching: Dynamo ends the graph here
+            h = h * 2
+        return self.norm(h), h
+
+
+def _graph_break_cuts_a_site(rank, world_size, seed):
+    import weave_compile
+
+    torch.manual_seed(seed)  # the same weights on both ranks
+    model = _BrokenBlock()
+    x, residual = torch.randn(5, 8), torch.randn(5, 16)
+    weave_compile.reset()
+    with torch.no_grad():
+        out, h = torch.compile(model, backend="tokenweave", options={"compiler": "aot_eager"})(x, residual)
+        ref, ref_h = model(x, residual)
+    rep = weave_compile.explain()
+    return {"text": str(rep), "graphs": [(g.graph_break, [(s.node, s.fused) for s in g.sites]) for g in rep.graphs],
+            "err": (out - ref).abs().max().item() + (h - ref_h).abs().max().item()}
+
+
+def test_explain_names_the_graph_break_that_cut_a_site(seed):
+    for res in assert_ranks_ok(run_ranks(_graph_break_cuts_a_site, 2, args=(seed,), timeout=300)):
+        assert res["err"] == 0, res["err"]
+        (brk, sites), (after, later_sites) = res["graphs"]
+        assert sites == [("all_reduce", False)] and later_sites == [] and after == "", res["text"]
+        assert brk.startswith("data-dependent branching (an if on a tensor's value) (test_backend.py:"), brk
+        assert brk.endswith(" in forward)"), brk
+        lines = res["text"].splitlines()
+        row = next(line for line in lines if line.lstrip().startswith("all_reduce "))
+        assert "cut by the graph break below" in row, res["text"]
+        assert f"ends at a graph break: {brk}" in " ".join(res["text"].split()), res["text"]  # (wrapped)
+
+
+def test_graph_break_reason_names_the_break_and_where():
+    import traceback
+
+    from torch._dynamo.output_graph import GraphCompileReason
+
+    from weave_compile.backend import graph_break
+
+    class G:
+        pass
+
+    gm = G()
+    assert graph_break(gm) is None  # nothing recorded: not a break
+    frame = traceback.FrameSummary("/x/modeling_qwen3.py", 80, "forward")
+    gm.compile_subgraph_reason = GraphCompileReason("return_value", [frame], graph_break=False)
+    assert graph_break(gm) is None  # the graph reached the end of its frame
+    gm.compile_subgraph_reason = GraphCompileReason(
+        "Module-level backwards hooks require compiled autograd.\n  Explanation: \n  Hint: Enable compiled "
+        "autograd.\n  Hint: Please report an issue to PyTorch.", [frame])
+    assert graph_break(gm) == ("Module-level backwards hooks require compiled autograd. (modeling_qwen3.py:80 "
+                               "in forward) Hint: Enable compiled autograd.")
+    gm.compile_subgraph_reason = GraphCompileReason("", [])
+    assert graph_break(gm) == ""  # a break without a reason: the report gives the advice

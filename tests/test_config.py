@@ -130,6 +130,17 @@ def test_unknown_key_lists_valid_keys_and_suggests_the_close_one():
         assert key in str(e.value)
 
 
+def test_unknown_keyword_of_options_gets_the_same_help_as_the_dict_form():
+    with pytest.raises(TypeError) as e:
+        Options(kernal="p2p")
+    with pytest.raises(ValueError) as from_dict:
+        Options.from_options({"kernal": "p2p"})
+    assert str(e.value) == str(from_dict.value)
+    assert "did you mean 'kernel'?" in str(e.value) and "'comm_ctas'" in str(e.value)
+    assert Options(kernel="p2p").kernel == "p2p"  # keywords and positions still work
+    assert Options(True, False).shard_residual is False
+
+
 def test_replace_checks_again():
     opts = Options(kernel="p2p")
     assert dataclasses.replace(opts, split=True).split is True

@@ -69,6 +69,21 @@ def test_explain_text_lists_graphs_counts_split_and_sites():
     assert all(line[col - 2:col] == "  " and line[col] != " " for line in lines[7:9])
 
 
+def test_all_gathers_of_no_site_are_listed_as_written():
+    g = _graph()
+    g.other_gathers = ["all_gather_into_tensor_5"]
+    lines = str(report.explain()).splitlines()
+    assert "  left as written: 1 all_gather(s) not after a fused norm (all_gather_into_tensor_5)" in lines
+    assert report.graph_from_json("inductor", "", json.loads(report.dumps([g]))[0]).other_gathers == g.other_gathers
+
+
+def test_sites_of_two_forms_are_counted_apart():
+    g = _graph()
+    g.sites[1] = dataclasses.replace(g.sites[1], node="reduce_scatter_tensor", form="reduce_scatter/all_gather")
+    assert str(report.explain()).splitlines()[0] == (
+        "tokenweave: 1 graph(s), 2 site(s) (1 all_reduce, 1 reduce_scatter/all_gather), 1 fused")
+
+
 def test_op_counts_absent_before_and_after_are_left_out():
     g = _graph()
     g.op_counts["weave.allreduce_add_rmsnorm_start"] = (0, 0)
@@ -144,3 +159,56 @@ def test_a_long_note_wraps_within_100_columns():
     assert all(len(line) <= 100 for line in note) and all(line.startswith("      ") for line in note[1:]), note
     wrapped = [note[0][6:]] + [line.strip() for line in note[1:]]
     assert " ".join(wrapped).startswith(why)  # the whole reason, in order
+
+
+def test_a_graph_run_as_written_lists_no_kernel_residual_split_or_output():
+    g = _graph()
+    report.mark_as_written([g], "process group [0, 1]: its ranks compiled different graphs")
+    fused, unfused = g.rows()
+    assert fused == ["all_reduce", "0", "no (as written)", "all_reduce +residual -> rmsnorm", "-", "-", "-", "-"]
+    assert unfused[2:] == ["no", "reduce op 'max' is not sum", "-", "-", "-", "-"]
+    text = str(report.explain())
+    assert "reference" not in text and "sharded" not in text and "per half" not in text, text
+    assert "  ops as written: all_reduce 2" in text.splitlines(), text  # not what the passes would have left
+
+
+def test_a_note_joined_from_reasons_with_one_cause_names_it_once():
+    g = _graph()
+    g.sites[0] = dataclasses.replace(g.sites[0], kernel_reason="cpu tensors: symmetric memory needs CUDA; "
+                                     "cpu tensors: the add+norm kernel needs CUDA; not p2p: cpu tensors: x")
+    lines = str(report.explain()).splitlines()
+    start = lines.index("  [1] cpu tensors: symmetric memory needs CUDA; the add+norm kernel needs CUDA; not p2p: cpu")
+    assert lines[start + 1] == "      tensors: x", lines  # (wrapped at 100 columns; another prefix stays)
+
+
+def test_ops_line_names_what_the_merge_pass_made_one_so_the_counts_agree():
+    g = _graph()
+    g.sites = [dataclasses.replace(g.sites[0], reason="... (merged)"), g.sites[1]]
+    g.op_counts = {"all_reduce": (3, 1), "weave.allreduce_add_rmsnorm": (0, 1)}
+    g.merged = [2]
+    lines = str(report.explain()).splitlines()
+    assert lines[0] == "tokenweave: 1 graph(s), 2 all_reduce site(s), 1 fused"
+    assert lines[2] == "  ops before->after: all_reduce 3->1 (2 merged into 1 first), weave.allreduce_add_rmsnorm 0->1"
+    # 3 all_reduces - 2 merged + 1 = 2 sites, as the header says
+    assert sum(g.op_counts["all_reduce"][:1]) - sum(g.merged) + len(g.merged) == len(g.sites)
+
+
+def test_a_site_cut_by_a_graph_break_says_so_and_the_break_is_named():
+    g = _graph()
+    g.leaves = ["all_reduce_1"]
+    rows = g.rows()
+    assert rows[1][3] == "reduce op 'max' is not sum"  # the graph ended at its frame's end: no cut
+    report.mark_graph_break([g], "Call to `torch._dynamo.graph_break()` (model.py:12 in forward)")
+    assert [r[3] for r in g.rows()] == ["all_reduce +residual -> rmsnorm", "cut by the graph break below"]
+    lines = str(report.explain()).splitlines()
+    assert lines[-1] == "  ends at a graph break: Call to `torch._dynamo.graph_break()` (model.py:12 in forward)"
+    report.mark_graph_break([g], "")  # Dynamo gave no reason: the advice instead
+    assert str(report.explain()).splitlines()[-2].startswith("  ends at a graph break: Dynamo gave no reason; "
+                                                             "compile with fullgraph=True")
+
+
+def test_json_keeps_merges_and_what_leaves_the_graph():
+    g = _graph()
+    g.merged, g.leaves = [2], ["all_reduce_1"]
+    back = report.graph_from_json("inductor", "", json.loads(report.dumps([g]))[0])
+    assert back.merged == [2] and back.leaves == ["all_reduce_1"]

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch._dynamo.exc import ShortenTraceback
 
-from weave_compile import agreement
+from weave_compile import agreement, backward_hooks
 from weave_compile import report as report_mod
 from weave_compile.config import TokenWeaveConfig
 from weave_compile.passes.pass_manager import WeavePassManager
@@ -60,10 +60,35 @@ def tokenweave_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
     if merged is not None:
         merged.repoint()  # after the compile: see merge_sibling_linears
     reports = passes.graph_reports
+    brk = graph_break(gm)
+    if brk is not None:
+        report_mod.mark_graph_break(reports, brk)
     return agreement.check_at_first_call(
         compiled, passes.comm_plans, written=passes.written_plans, timeout_s=config.agreement_timeout_s,
         as_written=as_written, on_degraded=lambda reason: report_mod.mark_as_written(reports, reason),
         what=f"graph {reports[0].graph_id}" if reports else "the graph", strict=strict)
+
+
+# Dynamo resolves backend="tokenweave" (importing this module) before it traces: from here on, the
+# module backward hooks a forward under no_grad cannot fire are traced as what they are, no-ops.
+backward_hooks.install(tokenweave_backend)
+
+
+def graph_break(gm) -> Optional[str]:
+    """Why Dynamo ended ``gm`` at a graph break, with where in the user's code; None if the graph
+    reached the end of its frame. Dynamo records it on the graph it hands a backend
+    (``compile_subgraph_reason``, what ``torch._dynamo.explain`` reads); "" if it gave no reason."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not getattr(reason, "graph_break", False):
+        return None
+    lines = [line.strip() for line in str(getattr(reason, "reason", "") or "").splitlines() if line.strip()]
+    why = lines[0] if lines else ""
+    if why.startswith("generic_jump"):  # Dynamo's name for the jump it could not trace
+        why = "data-dependent branching (an if on a tensor's value)"
+    hint = next((line for line in lines[1:] if line.startswith("Hint:")), "")  # the first: the others repeat it
+    stack = getattr(reason, "user_stack", None) or []
+    where = f" ({os.path.basename(stack[-1].filename)}:{stack[-1].lineno} in {stack[-1].name})" if stack else ""
+    return (why + where + (" " + hint if hint else "")) if why else ""
 
 
 def _as_written(gm, example_inputs, config: TokenWeaveConfig, inductor_patches: dict[str, Any]):

@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import types
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+from weave_compile.kernels.spec import DEFAULT_COMM_CTAS, MAX_CTAS
 
 Compiler = Literal["inductor", "aot_eager"]
 SplitCost = Literal["measured", "formula"]
@@ -54,7 +57,7 @@ class Options:
     #: Thread blocks the fused communication kernel may occupy (1-32). 32 measured fastest on
     #: 2x H200 at every T >= 512 without overlap (docs/performance.md); TokenWeave uses 2-8
     #: while overlapping.
-    comm_ctas: int = 32
+    comm_ctas: int = DEFAULT_COMM_CTAS
     #: Split each layer into a token prefix and suffix whose fused communication runs on a
     #: second, high-priority stream while the other half computes (TokenWeave's overlap).
     #: Off by default: on 2x H200 (p2p kernel, 32 SMs) it measured 3-14% slower than the fused
@@ -97,8 +100,8 @@ class Options:
         kernels = valid_kernels()
         if self.kernel not in kernels:
             raise ValueError(f"tokenweave option 'kernel' must be one of {kernels}, got {self.kernel!r}")
-        if self.comm_ctas < 1 or self.comm_ctas > 32:  # the kernels' signal-pad budget per channel
-            raise ValueError(f"tokenweave option 'comm_ctas' must be in [1, 32], got {self.comm_ctas}")
+        if self.comm_ctas < 1 or self.comm_ctas > MAX_CTAS:  # the kernels' signal-pad budget per channel
+            raise ValueError(f"tokenweave option 'comm_ctas' must be in [1, {MAX_CTAS}], got {self.comm_ctas}")
         if self.split_threshold < 2:
             raise ValueError(f"tokenweave option 'split_threshold' must be >= 2 (two non-empty halves), "
                              f"got {self.split_threshold}")
@@ -132,11 +135,9 @@ class Options:
         if not isinstance(options, dict):
             raise TypeError(f"tokenweave options must be a dict or weave_compile.Options, got "
                             f"{type(options).__name__} {options!r}")
-        unknown = sorted(set(options) - set(cls.valid_keys()))
-        if unknown:
-            close = {k: difflib.get_close_matches(k, cls.valid_keys(), n=1) for k in unknown}
-            hints = "".join(f" ({k!r}: did you mean {m[0]!r}?)" for k, m in close.items() if m)
-            raise ValueError(f"unknown tokenweave option(s) {unknown}{hints}; valid keys: {cls.valid_keys()}")
+        message = _unknown_keys(options)
+        if message:
+            raise ValueError(message)
         return cls(**options)
 
     def cache_key(self) -> str:
@@ -151,6 +152,33 @@ def valid_kernels() -> list[str]:
 
     return [registry.AUTO, *registry.names()]
 
+
+def _unknown_keys(given) -> str:
+    """What is wrong with the option names in ``given`` (with a did-you-mean), "" if nothing."""
+    valid = Options.valid_keys()
+    unknown = sorted(set(given) - set(valid))
+    if not unknown:
+        return ""
+    close = {k: difflib.get_close_matches(k, valid, n=1) for k in unknown}
+    hints = "".join(f" ({k!r}: did you mean {m[0]!r}?)" for k, m in close.items() if m)
+    return f"unknown tokenweave option(s) {unknown}{hints}; valid keys: {valid}"
+
+
+def _checked_init(init):
+    """``Options(kernal=...)``: the dataclass's own ``TypeError`` names the keyword only; this one
+    says what the dict form says (the close option, every valid one). Still a ``TypeError``, as
+    for any unexpected keyword argument."""
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        message = _unknown_keys(kwargs)
+        if message:
+            raise TypeError(message)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+Options.__init__ = _checked_init(Options.__init__)
 
 #: Backward-compatible name of :class:`Options`.
 TokenWeaveConfig = Options

@@ -1,12 +1,14 @@
 """What the backend found and did, for ``weave_compile.explain()``.
 
-Every all_reduce site the passes look at gets a :class:`SiteReport`: fused or not and why, the
+Every all_reduce and reduce_scatter site the passes look at gets a :class:`SiteReport`: fused or not and why, the
 kernel chosen and why, whether its residual stays sharded, whether it is split. The split pass's
 summary of a graph is a :class:`SplitSummary`. A :class:`GraphReport` groups one compiled graph's
 sites. The passes return these as plain values; the pass manager assembles them (no pass keeps a
 report object in the graph). A graph whose ranks disagreed runs with its collectives as written
 (:mod:`weave_compile.agreement`): its report keeps what the passes found and says why it does not
-run them. Reports accumulate in this process until :func:`reset`.
+run them. A graph that Dynamo ended at a graph break says why (Dynamo's reason and the user's
+line), and a site whose all_reduce result leaves it before any RMSNorm reads as cut by that break:
+its norm is in the next graph. Reports accumulate in this process until :func:`reset`.
 """
 
 from __future__ import annotations
@@ -21,19 +23,26 @@ from typing import Optional
 
 @dataclasses.dataclass
 class SiteReport:
-    node: str  # name of the all_reduce node in the post-grad graph
+    node: str  # name of the all_reduce (or reduce_scatter) node in the post-grad graph
     group: str
     fused: bool
     reason: str  # the matched form if fused, why not otherwise
     kernel: str = "-"
     kernel_reason: str = ""
-    residual: str = "-"  # "full" | "in sharded" | "out sharded" | "in+out sharded"
+    residual: str = "-"  # "full" | "in sharded" | "out sharded" | "in+out sharded" | "sharded by the model"
     split: str = "not split"
     output: str = "-"  # "ring slot k" (left where the peers pushed it) | "copied (why)"
+    #: the collectives the site is written with: "all_reduce", or "reduce_scatter/all_gather"
+    #: (sequence parallel); the "form / reason" cell names them too
+    form: str = "all_reduce"
 
     def row(self, as_written: bool = False) -> list[str]:
-        fused = ("no (as written)" if as_written else "yes") if self.fused else "no"
-        return [self.node, self.group, fused, self.reason,
+        if as_written:
+            # The graph runs its collectives as written: no kernel, residual, split or output
+            # choice of the passes applies, whatever they had chosen.
+            return [self.node, self.group, "no (as written)" if self.fused else "no", self.reason,
+                    "-", "-", "-", "-"]
+        return [self.node, self.group, "yes" if self.fused else "no", self.reason,
                 f"{self.kernel} ({self.kernel_reason})" if self.kernel_reason else self.kernel,
                 self.residual, self.split, self.output]
 
@@ -76,11 +85,47 @@ class GraphReport:
     label: str = ""
     #: what merging sibling linears did (``passes.merge_sibling_linears``), "" if it did not run
     projections: str = ""
+    #: all-gathers that are no fused site's (e.g. a vocab-parallel output's logits), by node name
+    other_gathers: list[str] = dataclasses.field(default_factory=list)
+    #: how many all_reduces each merge of the merge pass made one (MoE routed + shared experts):
+    #: the all_reduce sites are the all_reduces before the passes less ``sum(merged) - len(merged)``
+    merged: list[int] = dataclasses.field(default_factory=list)
+    #: all_reduces and reduce_scatters whose result leaves the graph before any RMSNorm (a graph output)
+    leaves: list[str] = dataclasses.field(default_factory=list)
+    #: why Dynamo ended this graph before the end of the frame (a graph break), "" if it did not;
+    #: :data:`UNKNOWN_BREAK` where Dynamo gave no reason
+    graph_break: str = ""
 
     @property
     def matched_count(self) -> int:
         """Sites that run fused."""
         return 0 if self.as_written else sum(s.fused for s in self.sites)
+
+    def cut(self, site: SiteReport) -> bool:
+        """The site was not fused because the graph break that ends this graph cut it from its norm."""
+        return bool(self.graph_break) and not site.fused and site.node in self.leaves
+
+    def rows(self) -> list[list[str]]:
+        rows = [s.row(bool(self.as_written)) for s in self.sites]
+        for s, r in zip(self.sites, rows):
+            if self.cut(s):
+                r[3] = "cut by the graph break below"  # (its result leaves the graph before any norm)
+        return rows
+
+    def op_line(self) -> str:
+        """The op counts before -> after the passes ("" if none), the merge pass's share named; of
+        a graph that runs as written, the counts as written."""
+        if self.as_written:
+            written = ", ".join(f"{k} {a}" for k, (a, _) in self.op_counts.items() if a)
+            return f"ops as written: {written}" if written else ""
+        parts = []
+        for k, (a, b) in self.op_counts.items():
+            if (a, b) == (0, 0):
+                continue
+            merged = f" ({sum(self.merged)} merged into {len(self.merged)} first)" if k == "all_reduce" \
+                and self.merged else ""
+            parts.append(f"{k} {a}->{b}{merged}")
+        return "ops before->after: " + ", ".join(parts) if parts else ""
 
 
 @dataclasses.dataclass
@@ -102,22 +147,35 @@ class WeaveReport:
 
     def __str__(self) -> str:
         header = ["site", "group", "fused", "form / reason", "kernel", "residual", "split", "output"]
-        lines = [f"tokenweave: {len(self.graphs)} graph(s), {len(self.sites)} all_reduce site(s), "
-                 f"{self.matched_count} fused"]
+        lines = [f"tokenweave: {len(self.graphs)} graph(s), {_count_sites(self.sites)}, {self.matched_count} fused"]
         for g in self.graphs:
             lines.append(f"graph {g.graph_id}" + (f" {g.label}" if g.label else "") + f" [{g.compiler}]"
                          + (f": {g.note}" if g.note else ""))
-            counts = ", ".join(f"{k} {a}->{b}" for k, (a, b) in g.op_counts.items() if (a, b) != (0, 0))
-            if counts:
-                lines.append(f"  ops before->after: {counts}")
+            if g.op_line():
+                lines.append("  " + g.op_line())
             if g.as_written:
                 lines.append(f"  runs with its collectives as written, like plain Inductor: {g.as_written}")
             if g.projections:
                 lines.append("  " + g.projections)
-            if g.split is not None:
+            if g.other_gathers:
+                lines.append(f"  left as written: {len(g.other_gathers)} all_gather(s) not after a fused norm "
+                             f"({', '.join(g.other_gathers)})")
+            if g.split is not None and not g.as_written:
                 lines.append("  " + g.split.describe())
-            lines += _site_table(header, [s.row(bool(g.as_written)) for s in g.sites])
+            lines += _site_table(header, g.rows())
+            if g.graph_break:
+                lines.append(textwrap.fill(f"ends at a graph break: {g.graph_break}", 100, initial_indent="  ",
+                                           subsequent_indent="    ", break_long_words=False,
+                                           break_on_hyphens=False))
         return "\n".join(lines)
+
+
+def _count_sites(sites: list[SiteReport]) -> str:
+    """"5 all_reduce site(s)" where every site has one form, else "7 site(s) (5 all_reduce, 2 ...)"."""
+    forms = {f: sum(s.form == f for s in sites) for f in dict.fromkeys(s.form for s in sites)}
+    if len(forms) <= 1:
+        return f"{len(sites)} {next(iter(forms), 'all_reduce')} site(s)"
+    return f"{len(sites)} site(s) (" + ", ".join(f"{n} {f}" for f, n in forms.items()) + ")"
 
 
 #: columns whose cells may end in "(why)": in a table, the why becomes a numbered note under it
@@ -136,7 +194,9 @@ def _site_table(header: list[str], rows: list[list[str]]) -> list[str]:
 
     def cell(i: int, text: str) -> str:
         why = _WHY.match(text) if header[i] in _NOTED else None
-        return text if why is None else f"{why.group(1)} [{notes.setdefault(why.group(2), len(notes) + 1)}]"
+        if why is None:
+            return text
+        return f"{why.group(1)} [{notes.setdefault(_shared_prefix_once(why.group(2)), len(notes) + 1)}]"
 
     lines = (["  same at every site:"] if same else []) + [f"    {header[i].ljust(width)}  {cell(i, rows[0][i])}"
                                                            for i in same]
@@ -150,9 +210,21 @@ def _site_table(header: list[str], rows: list[list[str]]) -> list[str]:
                                   break_long_words=False, break_on_hyphens=False) for why, n in notes.items()]
 
 
+def _shared_prefix_once(why: str) -> str:
+    """``"cpu tensors: a; cpu tensors: b"`` as ``"cpu tensors: a; b"``: a reason joined from several
+    implementations' reasons names their shared cause once."""
+    parts = why.split("; ")
+    out = parts[:1]
+    for prev, part in zip(parts, parts[1:]):
+        head = prev.split(": ", 1)[0] + ": " if ": " in prev else None
+        out.append(part[len(head):] if head and part.startswith(head) and len(part) > len(head) else part)
+    return "; ".join(out)
+
+
 def graph_to_json(g: GraphReport) -> dict:
     return {"sites": [dataclasses.asdict(s) for s in g.sites], "op_counts": g.op_counts,
-            "split": dataclasses.asdict(g.split) if g.split is not None else None, "projections": g.projections}
+            "split": dataclasses.asdict(g.split) if g.split is not None else None, "projections": g.projections,
+            "other_gathers": g.other_gathers, "merged": g.merged, "leaves": g.leaves}
 
 
 def graph_from_json(compiler: str, note: str, payload: dict) -> GraphReport:
@@ -163,6 +235,8 @@ def graph_from_json(compiler: str, note: str, payload: dict) -> GraphReport:
     if payload.get("split"):
         g.split = SplitSummary(**payload["split"])
     g.projections = payload.get("projections", "")
+    g.other_gathers = payload.get("other_gathers", [])
+    g.merged, g.leaves = list(payload.get("merged", [])), list(payload.get("leaves", []))
     return g
 
 
@@ -179,6 +253,18 @@ def new_graph(compiler: str, note: str = "") -> GraphReport:
         g = GraphReport(graph_id=len(_report.graphs), compiler=compiler, note=note)
         _report.graphs.append(g)
         return g
+
+
+#: what a graph report says of a graph break Dynamo gave no reason for
+UNKNOWN_BREAK = ("Dynamo gave no reason; compile with fullgraph=True to stop there with its message, or set "
+                 "TORCH_LOGS=graph_breaks")
+
+
+def mark_graph_break(graphs: list[GraphReport], why: str) -> None:
+    """These graphs (one Dynamo graph's) end where Dynamo broke the frame, because ``why``."""
+    with _lock:
+        for g in graphs:
+            g.graph_break = why or UNKNOWN_BREAK
 
 
 def mark_as_written(graphs: list[GraphReport], reason: str) -> None:

@@ -22,10 +22,22 @@ from weave_compile.kernels.reference import allreduce_add_rmsnorm_ref
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DT_NAME = {v: k for k, v in DTYPES.items()}
 
+#: Residual layouts: "none" (no residual), "full", "shard_in", "shard_out", "shard_both", and "first":
+#: no residual in, this rank's rows out (a sequence-parallel model's first site, the embedding's
+#: reduce-scatter, and the first site of a residual stream the shard pass keeps sharded).
+NO_RESIDUAL = ("none", "first")
+SHARDED_IN = ("shard_in", "shard_both")
+SHARDED_OUT = ("shard_out", "shard_both", "first")
+
+
+def sharding(c) -> tuple[bool, bool]:
+    """``(residual_in_sharded, residual_out_sharded)`` of a case."""
+    return c["res"] in SHARDED_IN, c["res"] in SHARDED_OUT
+
 
 def make_case(T, H, dtype="bf16", *, res="full", bias=True, weight=True, mid=None, woff=0.0,
               res_dtype=None, out_dtype=None, ctas=16, channel=0, seed=0):
-    """res: 'none' | 'full' | 'shard_in' | 'shard_out' | 'shard_both'."""
+    """res: 'none' | 'full' | 'shard_in' | 'shard_out' | 'shard_both' | 'first' (see NO_RESIDUAL)."""
     return dict(T=T, H=H, dtype=dtype, res=res, bias=bias, weight=weight, mid=mid, woff=woff,
                 res_dtype=res_dtype, out_dtype=out_dtype, ctas=ctas, channel=channel, seed=seed)
 
@@ -58,7 +70,7 @@ def make_inputs(c, world, device):
         return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
 
     xs = [rnd(T, H, dtype=dt) for _ in range(world)]
-    residual = rnd(T, H, dtype=rdt) if c["res"] != "none" else None
+    residual = rnd(T, H, dtype=rdt) if c["res"] not in NO_RESIDUAL else None
     bias = rnd(H, dtype=dt, scale=0.5) if c["bias"] else None
     weight = rnd(H, dtype=dt) if c["weight"] else None
     return xs, residual, bias, weight
@@ -82,8 +94,8 @@ def kernel_kwargs(c):
         out_dtype=DTYPES[c["out_dtype"]] if c["out_dtype"] else None,
         mid_dtype=DTYPES[c["mid"]] if c["mid"] else None,
         weight_offset=c["woff"],
-        residual_in_sharded=c["res"] in ("shard_in", "shard_both"),
-        residual_out_sharded=c["res"] in ("shard_out", "shard_both"),
+        residual_in_sharded=sharding(c)[0],
+        residual_out_sharded=sharding(c)[1],
         comm_ctas=c["ctas"],
         channel=c["channel"],
     )
@@ -134,7 +146,7 @@ def check_outputs(c, world, rank, normed, res_out, ref_n, ref_r):
     en, xn = _excess(normed, ref_n)
     if xn > 0:
         msgs.append(f"normed mismatch (max err {en:.3g})")
-    if c["res"] in ("shard_out", "shard_both"):
+    if sharding(c)[1]:
         if tuple(res_out.shape) != (S, H):
             return False, en, float("nan"), f"residual shard shape {tuple(res_out.shape)}"
         lo, hi = rank * S, min(T, (rank + 1) * S)

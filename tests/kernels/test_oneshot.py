@@ -37,13 +37,14 @@ TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16:
 
 def case(T, H, dtype="bf16", *, res="full", bias=True, weight=True, mid=None, woff=0.0, rdt=None, odt=None,
          neg_zero=False, ctas=8, seed=0):
-    """res: none | full | shard_in | shard_out | shard_both; rdt: residual dtype; odt: output dtype."""
+    """res: none | full | shard_in | shard_out | shard_both | first (no residual in, this rank's rows out:
+    a sequence-parallel model's first site); rdt: residual dtype; odt: output dtype."""
     return dict(T=T, H=H, dtype=dtype, res=res, bias=bias, weight=weight, mid=mid, woff=woff, rdt=rdt, odt=odt,
                 neg_zero=neg_zero, ctas=ctas, seed=seed)
 
 
 def flags(c):
-    return c["res"] in ("shard_in", "shard_both"), c["res"] in ("shard_out", "shard_both")
+    return c["res"] in ("shard_in", "shard_both"), c["res"] in ("shard_out", "shard_both", "first")
 
 
 def dtypes(c):
@@ -62,7 +63,7 @@ def make_inputs(c, world, device):
         return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
 
     xs = [rnd(T, H, dtype=dt) for _ in range(world)]
-    residual = rnd(T, H, dtype=rdt) if c["res"] != "none" else None
+    residual = rnd(T, H, dtype=rdt) if c["res"] not in ("none", "first") else None
     if c["neg_zero"]:  # the sentinel bit pattern as real data: must be sent as +0.0, never wait forever
         for x in xs:
             x[:, ::5] = -0.0

@@ -86,7 +86,7 @@ def _check(c, world, per_rank, inputs):
     return errs
 
 
-RES_MODES = ("full", "shard_both", "shard_in", "shard_out", "none")
+RES_MODES = ("full", "shard_both", "shard_in", "shard_out", "none", "first")
 
 
 @pytest.mark.parametrize("world,H,dtype", [(2, 2048, "bf16"), (2, 4096, "bf16"), (2, 8192, "bf16"),

@@ -31,13 +31,15 @@ def test_a_direct_call_spec_takes_its_dtypes_from_the_inputs():
     assert FusedSpec.for_rows(x, res, residual_dtype=None, out_dtype=torch.float16).out_dtype == torch.float16
 
 
-@pytest.mark.parametrize("sharded_in,sharded_out", [(False, False), (True, True), (False, True)])
+@pytest.mark.parametrize("sharded_in,sharded_out", [(False, False), (True, True), (False, True), ("3d", True)])
 def test_rows_view_any_leading_dims_as_token_rows_and_back(sharded_in, sharded_out):
     x = torch.randn(2, 5, 8)
-    residual = torch.randn(3, 8) if sharded_in else torch.randn(2, 5, 8)
-    rows = Rows.of(x, residual, torch.randn(1, 8), torch.randn(8), residual_in_sharded=sharded_in)
+    # a shard as the shard pass hands it on ([S, H]) or as a sequence-parallel model keeps it
+    residual = {True: torch.randn(3, 8), "3d": torch.randn(1, 3, 8), False: torch.randn(2, 5, 8)}[sharded_in]
+    rows = Rows.of(x, residual, torch.randn(1, 8), torch.randn(8))
     assert rows.x.shape == (10, 8) and rows.x.data_ptr() == x.data_ptr()  # a view, no copy
     assert rows.residual.shape == ((3, 8) if sharded_in else (10, 8))
+    assert rows.residual.data_ptr() == residual.data_ptr()
     assert rows.bias.shape == (8,) and rows.weight.shape == (8,)
     assert (rows.num_tokens, rows.hidden) == (10, 8)
     normed, res_out = rows.restore(torch.randn(10, 8), torch.randn(3 if sharded_out else 10, 8), sharded_out)

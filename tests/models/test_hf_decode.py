@@ -1,15 +1,16 @@
-"""Decode end to end: a Hugging Face Llama loaded with ``tp_plan="auto"``, ``generate()`` compiled by tokenweave.
+"""Decode end to end: a Hugging Face Llama checkpoint loaded sharded, ``generate()`` compiled by tokenweave.
 
-Two gloo ranks (CPU). Rank 0 saves a tiny random Llama with ``save_pretrained``; every rank loads it
-back with ``from_pretrained(dir, tp_plan="auto", tp_size=2)`` (transformers' own TP sharding; in
-5.17 ``tp_plan="auto"`` without ``tp_size`` loads an unsharded model). Greedy
-``generate()`` with a static KV cache runs eagerly (TP, no compile) and with transformers' own
-decode-step compilation (``generation_config.compile_config``) using ``backend="tokenweave"`` with
-static shapes: one graph per decode batch size, the way serving engines capture fixed sizes. The
-compiled run must give the same tokens, fuse every site in every graph, and compile exactly one
-graph per batch size (no recompile per step, none when a batch size comes back).
-On CPU the graph runs with ``compiler="aot_eager"``; on GPUs the same path runs with
-``mode="reduce-overhead"`` (examples/hf_tp.py --decode).
+Two gloo ranks (CPU). A tiny random Llama is saved with ``save_pretrained``; every rank loads it
+back with ``from_pretrained(dir, distributed_config=DistributedConfig(tp_size=2, tp_plan="auto"))``
+(transformers' own TP sharding, ``checkpoints.load_tp``). Greedy ``generate()`` with a static KV
+cache runs eagerly (TP, no compile) and with transformers' own decode-step compilation
+(``generation_config.compile_config``) using ``backend="tokenweave"`` with static shapes: one graph
+per decode batch size, the way serving engines capture fixed sizes. The compiled run must give
+the same tokens, fuse every site in every graph, and compile exactly one graph per batch size (no
+recompile per step, none when a batch size comes back). On CPU the graph runs with
+``compiler="aot_eager"`` and transformers must be told to compile on CPU
+(``_compile_all_devices``); on GPUs the same path runs with ``mode="reduce-overhead"``
+(examples/hf_tp.py --decode).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import torch
 
 from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
 
-# transformers' from_pretrained(..., tp_plan=...) refuses to run without accelerate (a test extra).
+from . import checkpoints
+
+# transformers' from_pretrained with a TP plan refuses to run without accelerate (a test extra).
 pytestmark = pytest.mark.slow  # save_pretrained, from_pretrained and generate() twice per batch
-pytest.importorskip("accelerate", reason="from_pretrained(tp_plan=...) needs accelerate (pip install -e '.[test]')")
+pytest.importorskip("accelerate", reason="from_pretrained with a tp_plan needs accelerate (pip install -e '.[test]')")
 
 LAYERS = 2
 NEW_TOKENS = 6
@@ -30,33 +33,14 @@ PROMPT = 5
 RUNS = [(1, 11), (3, 12), (1, 13)]
 
 
-def _tiny_llama(path: str) -> None:
-    import transformers
-
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    model.generation_config.pad_token_id = 0
-    model.save_pretrained(path)
-
-
 def _decode_rank(rank, world, path):
-    import torch.distributed as dist
-    import transformers
     from transformers import CompileConfig
 
     import weave_compile
     from weave_compile.testing.hf import expected_fused_sites, is_sharded, prompt
 
-    if rank == 0:
-        _tiny_llama(path)
-    dist.barrier()
-    # transformers 5.17: tp_plan="auto" alone keeps tp_size=1 (an unsharded model); say the size.
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", tp_size=world,
-                                                              dtype=torch.float32).eval()
-    assert is_sharded(model), "from_pretrained(tp_plan='auto') left the model unsharded"
+    model = checkpoints.load_tp(path, world)
+    assert is_sharded(model), "from_pretrained with DistributedConfig(tp_plan='auto') left the model unsharded"
     gen = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation="static")
     compile_config = CompileConfig(backend="tokenweave", fullgraph=True, dynamic=False, mode=None,
                                    options={"compiler": "aot_eager"})
@@ -80,7 +64,7 @@ def _decode_rank(rank, world, path):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("tiny_llama"))
+    path = checkpoints.save("llama", str(tmp_path_factory.mktemp("tiny_llama")), layers=LAYERS, seed=0)
     return assert_ranks_ok(run_ranks(_decode_rank, 2, args=(path,), timeout=900))
 
 

@@ -1,12 +1,17 @@
-"""Hugging Face models sharded with their own tp_plan, compiled whole with backend="tokenweave".
+"""Hugging Face models as users load them, compiled whole with backend="tokenweave".
 
-Every architecture in ``weave_compile.testing.hf.ARCHS`` (tiny configs, fp32, 2 gloo ranks): every
-all_reduce -> (linear ops) -> RMSNorm site is fused, the compiled logits match the eager TP model
-and the unsharded model with the same weights, with and without the token split (and through
-Inductor for one architecture per kind of site, ``INDUCTOR_ARCHS``), the model
-compiles to one graph (``fullgraph=True``), Qwen3's and Gemma3's per-head q/k norms stay as they
-are, and a decode step with a static KV cache is fused and correct. Runs with the pinned
-transformers (5.17) and, in CI's second step, the newest release.
+Every architecture in ``weave_compile.testing.hf.ARCHS`` (tiny configs, fp32, 2 gloo ranks) is
+saved with ``save_pretrained`` and loaded back on the ranks with ``from_pretrained(path,
+distributed_config=DistributedConfig(tp_size=2, tp_plan="auto"))`` (``checkpoints.load_tp``):
+transformers' own sharding, hooks and all, nothing prepared afterwards. Compiled with
+``fullgraph=True`` under ``torch.no_grad()`` (the q/k-norm architectures under
+``torch.inference_mode()`` too), every all_reduce -> (linear ops) -> RMSNorm site is fused, the
+compiled logits match the eager TP model and the unsharded model loaded from the same checkpoint,
+with and without the token split (and through Inductor for one architecture per kind of site,
+``INDUCTOR_ARCHS``), the model is one graph, Qwen3's and Gemma3's per-head q/k norms stay as they
+are (and keep transformers 5.17's grad-sync backward hooks), and a decode step with a static KV
+cache is fused and correct. Runs with the pinned transformers (5.17) and, in CI's second step, the
+newest release.
 
 Expected fused sites (``hf.expected_fused_sites``: one per module the plan reduces, from the plan
 the model was sharded with; ``EXPECTED_517`` pins the counts on 5.17 and ``EXPECTED_NEWEST`` on the
@@ -36,10 +41,11 @@ newest checked, 5.24; L = 2 layers here):
   before the passes on 5.17) and the merge pass makes them one all_reduce, fused: one site per
   layer and one collective fewer per MoE layer.
 
-Each phase (every architecture) runs in one ``run_ranks`` call, when a test first needs it
-(spawning ranks and importing transformers costs seconds); the assertions run in the test process
-on plain data. ``WEAVE_HF_PHASES`` (comma-separated, default
-all) limits the phases: CI's newest-transformers step skips the Inductor one to stay short.
+The checkpoints are written once per module (a random seed per run). Every phase of every
+architecture runs in one ``run_ranks`` call, when a test first needs results (spawning ranks and
+importing transformers costs seconds); the assertions run in the test process on plain data.
+``WEAVE_HF_PHASES`` (comma-separated, default all) limits the phases: CI's newest-transformers
+step skips the Inductor one to stay short.
 """
 
 from __future__ import annotations
@@ -47,12 +53,15 @@ from __future__ import annotations
 import os
 import random
 import traceback
+from typing import Optional
 
 import pytest
 import torch
 
 from weave_compile.testing.hf import ARCHS
 from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
+
+from . import checkpoints
 
 # Every phase compiles 13 models on 2 ranks: minutes on CPU (the fast tier covers testing/hf.py
 # through tests/passes/split_tokens/test_dead_work.py).
@@ -149,23 +158,26 @@ def _summary(graphs) -> dict:
     return out
 
 
-def _prefill(arch: str, seed: int, compiler: str, unsharded: bool, **options) -> dict:
-    from weave_compile.testing.hf import (build_model, capture_pass_graphs, expected_all_reduces,
-                                          expected_fused_sites, is_sharded, prompt, vocab_parallel_embedding)
-
-    model = build_model(arch, layers=LAYERS, seed=seed)
-    ids = prompt(BATCH, TOKENS, model.config.vocab_size, seed)
+def _prefill(path: str, seed: int, compiler: str, unsharded: bool, mode: str = "no_grad", **options) -> dict:
+    """The checkpoint loaded as users load it, compiled whole under ``mode`` (no_grad or inference_mode)."""
     from torch.distributed.tensor import DTensor
 
+    from weave_compile.testing.hf import (capture_pass_graphs, expected_all_reduces, expected_fused_sites,
+                                          is_sharded, prompt, vocab_parallel_embedding)
+
+    model = checkpoints.load_tp(path, WORLD)
+    ids = prompt(BATCH, TOKENS, model.config.vocab_size, seed)
     res = {"sharded": is_sharded(model), "helper_expected": (expected_fused_sites(model), expected_all_reduces(model)),
            "embedding": vocab_parallel_embedding(model),
            "dtensor_weights": sorted(n.removesuffix(".weight") for n, p in model.named_parameters()
-                                     if n.endswith(".weight") and isinstance(p, DTensor))}
-    with torch.no_grad():
+                                     if n.endswith(".weight") and isinstance(p, DTensor)),
+           # transformers' own hooks, kept: 5.17's q/k norms sum their gradients with one
+           "backward_hooks": sorted(n for n, m in model.named_modules() if m._backward_hooks)}
+    with (torch.inference_mode() if mode == "inference_mode" else torch.no_grad()):
         eager = model(ids, use_cache=False).logits
         full = None
         if unsharded:
-            full = build_model(arch, layers=LAYERS, seed=seed, tp=False)(ids, use_cache=False).logits
+            full = checkpoints.load_unsharded(path)(ids, use_cache=False).logits
         with capture_pass_graphs() as graphs:
             out = _compile(model, compiler, **options)(ids, use_cache=False).logits
     res["vs_eager"] = _rel(out, eager)
@@ -176,13 +188,13 @@ def _prefill(arch: str, seed: int, compiler: str, unsharded: bool, **options) ->
     return res
 
 
-def _decode(arch: str, seed: int) -> dict:
+def _decode(path: str, seed: int) -> dict:
     """Prefill eagerly into two identical static caches; two decode steps, eager vs compiled."""
     import transformers
 
-    from weave_compile.testing.hf import build_model, capture_pass_graphs, prompt
+    from weave_compile.testing.hf import capture_pass_graphs, prompt
 
-    model = build_model(arch, layers=LAYERS, seed=seed)
+    model = checkpoints.load_tp(path, WORLD)
     vocab = model.config.vocab_size
     ids = prompt(1, TOKENS, vocab, seed)
     steps = [prompt(1, 1, vocab, seed + 1 + i) for i in range(2)]
@@ -203,11 +215,11 @@ def _decode(arch: str, seed: int) -> dict:
     return res
 
 
-def _nocomm(seed: int) -> dict:
+def _nocomm(path: str, seed: int) -> dict:
     """The "nocomm" variant used by examples/hf_tp.py: no all_reduce left, and it is not the model."""
-    from weave_compile.testing.hf import build_model, prompt, without_all_reduce
+    from weave_compile.testing.hf import prompt, without_all_reduce
 
-    model = build_model("gemma2", layers=LAYERS, seed=seed)  # both all_reduce paths: dist and DTensor
+    model = checkpoints.load_tp(path, WORLD)  # gemma2: both all_reduce paths, dist and DTensor
     ids = prompt(BATCH, TOKENS, model.config.vocab_size, seed)
     with torch.no_grad():
         eager = model(ids, use_cache=False).logits
@@ -219,23 +231,6 @@ def _nocomm(seed: int) -> dict:
     return res
 
 
-def _grad_hook_probe(seed: int) -> dict:
-    """Why build_model drops the q/k norms' grad-sync hooks: with them, fullgraph compile fails."""
-    import transformers
-
-    from weave_compile.testing.hf import build_model, prompt
-
-    model = build_model("qwen3", layers=1, seed=seed, keep_grad_hooks=True)
-    ids = prompt(1, TOKENS, model.config.vocab_size, seed)
-    out = {"transformers": transformers.__version__, "raised": None}
-    try:
-        with torch.no_grad():
-            _compile(model, "aot_eager")(ids, use_cache=False)
-    except Exception as e:  # torch._dynamo.exc.Unsupported
-        out["raised"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
-    return out
-
-
 def _guarded(fn, *args, **kwargs) -> dict:
     try:
         return fn(*args, **kwargs)
@@ -243,21 +238,32 @@ def _guarded(fn, *args, **kwargs) -> dict:
         return {"error": traceback.format_exc()}
 
 
-def _one_phase(rank: int, world_size: int, seed: int, phase: str) -> dict:
-    """Every architecture through one phase, on the ranks (one spawn per phase)."""
-    out = {}
-    for arch in _archs(phase):
+def _all_phases(rank: int, world_size: int, paths: dict[str, str], seed: int, phases: tuple[str, ...]) -> dict:
+    """Every architecture through every phase, on the ranks: one spawn (and one import of
+    transformers) for all. Each compile loads its model afresh: the split re-points plain
+    projections' weights, and a phase must see the checkpoint as a user loads it."""
+    import time
+
+    out, seconds = {}, {}
+    for phase in phases:
+        start = time.monotonic()
+        for arch in _archs(phase):
+            if phase == "aot_eager":
+                out[(phase, arch)] = _guarded(_prefill, paths[arch], seed, "aot_eager", True)
+            elif phase == "split":
+                out[(phase, arch)] = _guarded(_prefill, paths[arch], seed, "aot_eager", True, **SPLIT_OPTIONS)
+            elif phase == "decode":
+                out[(phase, arch)] = _guarded(_decode, paths[arch], seed)
+            elif phase == "inductor":
+                out[(phase, arch)] = _guarded(_prefill, paths[arch], seed, "inductor", False)
         if phase == "aot_eager":
-            out[(phase, arch)] = _guarded(_prefill, arch, seed, "aot_eager", True)
-        elif phase == "split":
-            out[(phase, arch)] = _guarded(_prefill, arch, seed, "aot_eager", True, **SPLIT_OPTIONS)
-        elif phase == "decode":
-            out[(phase, arch)] = _guarded(_decode, arch, seed)
-        elif phase == "inductor":
-            out[(phase, arch)] = _guarded(_prefill, arch, seed, "inductor", False)
-    if phase == "aot_eager" and TEST_ARCHS == list(ARCHS):
-        out[("nocomm", "gemma2")] = _guarded(_nocomm, seed)
-        out[("grad_hooks", "qwen3")] = _guarded(_grad_hook_probe, seed)
+            if "gemma2" in paths:
+                out[("nocomm", "gemma2")] = _guarded(_nocomm, paths["gemma2"], seed)
+            for arch in [a for a in paths if ARCHS[a].qk_norm]:  # the hooks' other grad-disabled mode
+                out[("inference_mode", arch)] = _guarded(_prefill, paths[arch], seed, "aot_eager", False,
+                                                         mode="inference_mode")
+        seconds[phase] = time.monotonic() - start
+    out["seconds"] = seconds
     return out
 
 
@@ -265,31 +271,37 @@ def _one_phase(rank: int, world_size: int, seed: int, phase: str) -> dict:
 
 
 class _Phases:
-    """Runs a phase on the ranks when a test first asks for it (each phase has its own deadline)."""
+    """Runs every phase of ``RUN_PHASES`` on one pair of ranks when a test first asks for results."""
 
-    def __init__(self, seed: int):
-        self.seed = seed
-        self.done: dict[str, list[dict]] = {}
+    def __init__(self, paths: dict[str, str], seed: int):
+        self.paths, self.seed = paths, seed
+        self.done: Optional[list[dict]] = None
 
-    def ranks(self, phase: str) -> list[dict]:
-        if phase not in self.done:
-            self.done[phase] = assert_ranks_ok(run_ranks(_one_phase, WORLD, args=(self.seed, phase), timeout=900,
-                                                         env=ENV))
-        return self.done[phase]
+    def ranks(self) -> list[dict]:
+        if self.done is None:
+            self.done = assert_ranks_ok(run_ranks(_all_phases, WORLD, args=(self.paths, self.seed, RUN_PHASES),
+                                                  timeout=600 * len(RUN_PHASES), env=ENV))
+            print("seconds per phase (rank 0):", {k: round(v) for k, v in self.done[0]["seconds"].items()})
+        return self.done
 
 
 @pytest.fixture(scope="module")
-def results():
+def results(tmp_path_factory):
+    """One ``save_pretrained`` checkpoint per architecture (a random seed per run), then the phases."""
     seed = random.randrange(2**31)
     print(f"seed={seed}")
-    return _Phases(seed)
+    paths = checkpoints.save_all(TEST_ARCHS, str(tmp_path_factory.mktemp("hf_checkpoints")), layers=LAYERS,
+                                 seed=seed)
+    return _Phases(paths, seed)
 
 
 def _get(results, phase, arch):
     if phase not in RUN_PHASES and phase in PHASES:
         pytest.skip(f"phase {phase!r} not in WEAVE_HF_PHASES")
+    if phase not in PHASES and "aot_eager" not in RUN_PHASES:
+        pytest.skip(f"{phase} runs with the aot_eager phase, not in WEAVE_HF_PHASES")
     out = []
-    for r in results.ranks(phase if phase in PHASES else "aot_eager"):
+    for r in results.ranks():
         if (phase, arch) not in r:
             pytest.skip(f"{phase} {arch} not run (WEAVE_HF_ARCHS)")
         res = r[(phase, arch)]
@@ -476,12 +488,33 @@ def test_nocomm_variant_removes_every_all_reduce(results):
         assert res["nocomm_vs_eager"] > 1e-2  # it really dropped the reductions
 
 
-def test_qk_norm_grad_sync_hooks_still_block_fullgraph(results):
-    """transformers' replicated_with_grad_allreduce hooks stop fullgraph compile (so build_model drops
-    them). If this starts failing, Dynamo or transformers fixed it: drop_grad_sync_hooks can go."""
-    for res in _get(results, "grad_hooks", "qwen3"):
-        if res["raised"] is None and not _is_517(res):
-            # Seen with 5.24: fullgraph compiles with the hooks kept. Dropping them stays harmless
-            # (they act in backward only); the pinned release still needs it (asserted there).
-            pytest.skip(f"transformers {res['transformers']}: the grad-sync hooks no longer block fullgraph")
-        assert res["raised"] is not None and "backward" in res["raised"].lower(), res["raised"]
+@pytest.mark.parametrize("arch", [a for a in TEST_ARCHS if ARCHS[a].qk_norm])
+def test_grad_sync_hooks_kept_and_the_model_compiles_whole(results, arch):
+    """Transformers 5.17 hooks Qwen3's and Gemma3's q/k norms with a module backward hook
+    (``replicated_with_grad_allreduce``), which Dynamo refuses by itself; the model keeps it, as
+    loaded, and still compiles to one graph with every site fused (the aot_eager phase), also under
+    inference_mode. Later releases (checked: 5.24) hook the norm weights, only with grad enabled."""
+    for res in _get(results, "aot_eager", arch):
+        if _is_517(res):
+            assert res["backward_hooks"] == sorted(f"model.layers.{i}.self_attn.{n}" for i in range(LAYERS)
+                                                   for n in ("q_norm", "k_norm")), res["backward_hooks"]
+        assert res["unique_graphs"] == 1 and res["graphs"][0]["matched"] == _expected(res, arch)[0], res["text"]
+    for res in _get(results, "inference_mode", arch):
+        assert res["backward_hooks"] == _get(results, "aot_eager", arch)[0]["backward_hooks"]
+        assert res["unique_graphs"] == 1 and res["graphs"][0]["matched"] == _expected(res, arch)[0], res["text"]
+        assert res["vs_eager"] < TOL, res["vs_eager"]
+
+
+def test_explain_counts_agree(results):
+    """The header's site count is the ops line's all_reduces less what the merge pass made one
+    (DeepSeek-V3's routed + shared experts), for every architecture."""
+    import re
+
+    for arch in TEST_ARCHS:
+        for res in _get(results, "aot_eager", arch):
+            header = re.match(r"tokenweave: 1 graph\(s\), (\d+) all_reduce site\(s\), (\d+) fused", res["text"])
+            ops = re.search(r"all_reduce (\d+)->0(?: \((\d+) merged into (\d+) first\))?", res["text"])
+            assert header and ops, res["text"]
+            before, merged, into = int(ops[1]), int(ops[2] or 0), int(ops[3] or 0)
+            assert int(header[1]) == before - merged + into == int(header[2]), f"{arch}:\n{res['text']}"
+            assert (merged > 0) == (arch == "deepseek_v3"), res["text"]

@@ -1,8 +1,10 @@
 """Hypothesis-generated TP programs: compiled == eager, and exactly the matchable sites fused.
 
-The programs cover issue 14's forms too: a float scale on the reduced sum, a second reduction
-added to the first (merged when it is a sum over the same group; a max or another group must stay
-as they are), the reduced value also returned (fusable only when the op returns that value).
+The programs cover a float scale on the reduced sum, a second reduction added to the first (merged
+when it is a sum over the same group; a max or another group must stay as they are), the reduced
+value also returned (fusable only when the op returns that value), and sequence-parallel programs
+(every layer ``reduce_scatter -> ... -> RMSNorm -> all_gather`` with the residual kept as this
+rank's rows, as torchtitan's plan and Megatron-SP write it).
 
 Hypothesis runs *inside* the 2 ranks. Both ranks use the same seed (drawn fresh in the test
 process each run) and no example database, so they generate the same programs in the same
@@ -67,6 +69,9 @@ class Program:
     dtype: torch.dtype
     eps: float
     data_seed: int
+    #: every layer reduce-scatters its partial sums and all-gathers its normed rows; the residual
+    #: stream is this rank's rows (tokens a multiple of the world size, as the collectives need)
+    sequence_parallel: bool = False
 
 
 class GeneratedTP(nn.Module):
@@ -107,12 +112,16 @@ class GeneratedTP(nn.Module):
 
     def forward(self, x):
         shard = self.prog.hidden // self.world
-        residual = x
+        sp = self.prog.sequence_parallel
+        rows = x.shape[0] // self.world
+        residual = x[self.rank * rows:(self.rank + 1) * rows] if sp else x
         extras = []
         for i, spec in enumerate(self.prog.layers):
             xs = x[:, self.rank * shard:(self.rank + 1) * shard]
             y = xs @ self.w[i]
-            if spec.collective == "funcol" or spec.reduce_op != "sum":
+            if sp:
+                y = self._reduce_scatter(spec, y)
+            elif spec.collective == "funcol" or spec.reduce_op != "sum":
                 y = funcol.all_reduce(y, spec.reduce_op, dist.group.WORLD)
             else:
                 dist.all_reduce(y)
@@ -137,9 +146,25 @@ class GeneratedTP(nn.Module):
                 y = residual + y
             residual = y
             x = self._norm(spec, i, y)
+            if sp:
+                x = self._all_gather(spec, x)
             if spec.extra == "after":
                 x = F.gelu(x)
         return (x, *extras) if extras else x
+
+    def _reduce_scatter(self, spec, y):
+        if spec.collective == "funcol":
+            return funcol.reduce_scatter_tensor(y, "sum", 0, dist.group.WORLD)
+        out = y.new_empty((y.shape[0] // self.world, y.shape[1]))
+        dist.reduce_scatter_tensor(out, y.contiguous())
+        return out
+
+    def _all_gather(self, spec, x):
+        if spec.collective == "funcol":
+            return funcol.all_gather_tensor(x, 0, dist.group.WORLD)
+        out = x.new_empty((x.shape[0] * self.world, x.shape[1]))
+        dist.all_gather_into_tensor(out, x.contiguous())
+        return out
 
 
 def _consistent(spec: LayerSpec) -> LayerSpec:
@@ -151,7 +176,14 @@ def _consistent(spec: LayerSpec) -> LayerSpec:
     return spec
 
 
-def _strategy():
+def _sequence_parallel(prog: Program) -> Program:
+    """The program in its sequence-parallel form: sums only, no second reduction (the merge pass
+    merges all_reduces), tokens rounded up to a multiple of the world size."""
+    layers = tuple(dataclasses.replace(s, reduce_op="sum", shared="none") for s in prog.layers)
+    return dataclasses.replace(prog, layers=layers, tokens=-(-prog.tokens // WORLD) * WORLD, sequence_parallel=True)
+
+
+def _strategy(sequence_parallel: bool = False):
     from hypothesis import strategies as st
 
     layer = st.builds(
@@ -165,7 +197,7 @@ def _strategy():
         shared=st.sampled_from(["none", "none", "sum", "max", "other_group"]),
         reader=st.sampled_from([False, False, True]),
     ).map(_consistent)
-    return st.builds(
+    programs = st.builds(
         Program,
         layers=st.lists(layer, min_size=1, max_size=4).map(tuple),
         hidden=st.sampled_from([16, 32, 48, 64]),
@@ -174,6 +206,7 @@ def _strategy():
         eps=st.sampled_from([1e-5, 1e-6, 1e-8, 0.1]),
         data_seed=st.integers(0, 2**31 - 1),
     )
+    return programs.map(_sequence_parallel) if sequence_parallel else programs
 
 
 def _check_program(prog: Program, rank: int, world: int, compiler: str, other_group=None) -> str:
@@ -201,7 +234,7 @@ def _check_program(prog: Program, rank: int, world: int, compiler: str, other_gr
     return "; ".join(problems)
 
 
-def _property(rank, world, seed, compiler, max_examples):
+def _property(rank, world, seed, compiler, max_examples, sequence_parallel=False):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import seed as hyp_seed
 
@@ -211,7 +244,7 @@ def _property(rank, world, seed, compiler, max_examples):
     @hyp_seed(seed)
     @settings(max_examples=max_examples, database=None, deadline=None, print_blob=False,
               suppress_health_check=list(HealthCheck))
-    @given(prog=_strategy())
+    @given(prog=_strategy(sequence_parallel))
     def prop(prog):
         problem = _check_program(prog, rank, world, compiler, other_group)
         ok = torch.tensor([0.0 if problem else 1.0])
@@ -228,6 +261,13 @@ def test_generated_programs_aot_eager():
     seed = random.randrange(2**31)
     counts = assert_ranks_ok(run_ranks(_property, WORLD, args=(seed, "aot_eager", 40), timeout=600))
     assert counts[0] >= 40, f"seed={seed}: only {counts[0]} examples ran"
+
+
+@pytest.mark.slow
+def test_generated_sequence_parallel_programs_aot_eager():
+    seed = random.randrange(2**31)
+    counts = assert_ranks_ok(run_ranks(_property, WORLD, args=(seed, "aot_eager", 30, True), timeout=600))
+    assert counts[0] >= 30, f"seed={seed}: only {counts[0]} examples ran"
 
 
 @pytest.mark.slow

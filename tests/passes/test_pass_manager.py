@@ -58,3 +58,20 @@ def test_shard_residual_off_does_not_run_the_shard_pass(no_group):
     m = WeavePassManager(TokenWeaveConfig(shard_residual=False, split=False), compiler="aot_eager")
     m.merge, m.fuse, m.shard = (lambda g: []), (lambda g: []), _MustNotRun()
     m(_graph())
+
+
+def test_an_all_reduce_leaving_the_graph_before_any_norm_is_recorded(no_group):
+    """What leaves the graph unnormed (``leaves``): where a graph break ends the graph, the report
+    says the break cut that site. A result that only reaches the output through a norm does not."""
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    cut = g.call_function(c10d.wait_tensor.default, (g.call_function(c10d.all_reduce.default, (x, "sum", "0")),))
+    normed = g.call_function(c10d.wait_tensor.default, (g.call_function(c10d.all_reduce.default, (w, "sum", "0")),))
+    var = g.call_function(aten.mean.dim, (g.call_function(aten.pow.Tensor_Scalar, (normed, 2)), [-1], True))
+    rstd = g.call_function(aten.rsqrt.default, (g.call_function(aten.add.Tensor, (var, 1e-6)),))
+    g.output((g.call_function(aten.mul.Tensor, (cut, 2)), g.call_function(aten.mul.Tensor, (normed, rstd))))
+    m = WeavePassManager(TokenWeaveConfig(split=False), compiler="aot_eager")
+    m.merge, m.fuse = (lambda g: []), (lambda g: [])
+    m(g)
+    assert weave_compile.explain().graphs[-1].leaves == [cut.args[0].name]

@@ -27,7 +27,7 @@ THIS_FILE = os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(THIS_FILE))))  # script mode
 
 from tests.kernels._symm_cases import (DTYPES, case_name, check_outputs, make_case,  # noqa: E402
-                                       make_inputs, reference, run_script, shard_rows)
+                                       make_inputs, reference, run_script, shard_rows, sharding)
 from weave_compile.kernels.p2p import launch  # noqa: E402
 from weave_compile.kernels.shared.common import HAS_TRITON, OUT_RING_SLOTS  # noqa: E402
 from weave_compile.testing.emulated_ranks import EmulatedRanks, push_allreduce_rmsnorm  # noqa: E402
@@ -38,6 +38,7 @@ CASES = [
     make_case(37, 32, "fp16", res="shard_both", mid="bf16", woff=1.0, ctas=4, seed=3),
     make_case(40, 48, "fp32", out_dtype="bf16", res_dtype="fp32", res="shard_in", ctas=3, seed=4),
     make_case(23, 64, "bf16", res="shard_out", weight=False, ctas=2, seed=5),
+    make_case(24, 64, "bf16", res="first", ctas=2, seed=7),  # no residual in, this rank's rows out
     # no bias: the shard's rows past T must come out zero without the residual store's select
     make_case(13, 32, "bf16", res="shard_both", bias=False, ctas=2, seed=6),
 ]
@@ -116,7 +117,7 @@ def _main(world: int) -> int:
         dt = xs[0].dtype
         rdt = DTYPES[c["res_dtype"]] if c["res_dtype"] else dt
         odt = DTYPES[c["out_dtype"]] if c["out_dtype"] else dt
-        in_sh, out_sh = c["res"] in ("shard_in", "shard_both"), c["res"] in ("shard_out", "shard_both")
+        in_sh, out_sh = sharding(c)
         # Room for more rows than T: the peers' slots ([N, capacity / N]) then start elsewhere
         # than the global rows, and an output in the ring must be addressed by global row.
         ranks = EmulatedRanks.create(world, c["H"], c["T"] + 5 * world, dtype=dt, out_dtype=odt,

@@ -14,7 +14,12 @@ from typing import Optional
 
 import torch
 
-from .shared.common import DEFAULT_COMM_CTAS, MAX_CTAS
+#: Thread blocks the fused communication may occupy at most: the signal slots each channel of a
+#: symmetric workspace reserves per rank.
+MAX_CTAS = 32
+#: ``comm_ctas`` when nothing says otherwise: the backend option's default and a direct call's,
+#: so both launch the same grid (the op is fastest alone at the most CTAs, docs/performance.md).
+DEFAULT_COMM_CTAS = MAX_CTAS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,14 +81,16 @@ class Rows:
     @classmethod
     def of(cls, x: torch.Tensor, residual: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
            weight: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None,
-           eps_tensor: Optional[torch.Tensor] = None, *, residual_in_sharded: bool = False) -> "Rows":
-        """Views of the op's tensors as rows (a sharded residual is already [S, H])."""
+           eps_tensor: Optional[torch.Tensor] = None) -> "Rows":
+        """Views of the op's tensors as rows. A sharded residual is this rank's rows in any shape
+        with ``H`` last (the shard pass hands on ``[S, H]``, a sequence-parallel model its own
+        ``[B, S/N, H]`` or ``[S/N, B, H]``)."""
         hidden = x.shape[-1]
         for name, t in (("bias", bias), ("weight", weight)):
             if t is not None and t.numel() != hidden:
                 raise ValueError(f"{name} must have {hidden} elements (one per hidden column), "
                                  f"got shape {tuple(t.shape)}")
-        if residual is not None and not residual_in_sharded:
+        if residual is not None:
             residual = residual.reshape(-1, hidden)
         return cls(x.reshape(-1, hidden), residual, None if bias is None else bias.reshape(hidden),
                    None if weight is None else weight.reshape(hidden), scale, eps_tensor, tuple(x.shape))

@@ -117,8 +117,7 @@ def _fused(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
                      group_name=a["group_name"], mid_dtype=a["mid_dtype"], weight_offset=a["weight_offset"],
                      residual_in_sharded=a["residual_in_sharded"], residual_out_sharded=a["residual_out_sharded"],
                      comm_ctas=a["comm_ctas"], out_slot=a["out_slot"])
-    rows = Rows.of(a["x"], a["residual"], a["bias"], a["weight"], a["scale"], eps_tensor,
-                   residual_in_sharded=spec.residual_in_sharded)
+    rows = Rows.of(a["x"], a["residual"], a["bias"], a["weight"], a["scale"], eps_tensor)
     return rows.restore(*_run(impl, rows, spec), spec.residual_out_sharded)
 
 

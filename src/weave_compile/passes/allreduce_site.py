@@ -3,6 +3,7 @@
 Matches (post-grad ATen; each ``[...]`` optional, views/widening casts allowed between)::
 
     ar   = _c10d_functional.all_reduce(x, "sum", group)     # dist.all_reduce, funcol, DTensor
+         | _c10d_functional.reduce_scatter_tensor(x, "sum", N, group)   # sequence parallel
     y    = _c10d_functional.wait_tensor(ar)
     [y   = aten.copy(x, y)]                                 # in-place all_reduce write-back
     [y   = mul(y, s) | mul(s, y)]                           # s a 0-d tensor (Gemma's embed_scale)
@@ -10,6 +11,11 @@ Matches (post-grad ATen; each ``[...]`` optional, views/widening casts allowed b
     [y   = add(y, bias[H])]  [y = add(residual, y)]...       # either order, either operand order;
                                                             # several same-shape addends are summed first
     n    = RMSNorm(y)                                        # :mod:`.rmsnorm_match`
+    [all_gather_into_tensor(n, N, group) + wait]             # after a reduce_scatter: required
+
+A reduce-scatter site (sequence parallel, :mod:`.sequence_parallel`) is the same walk on this
+rank's rows, with the residual the model's own shard, and its normed rows must be all-gathered
+over the same ranks: the op then takes the reduce-scatter's input and returns the gathered rows.
 
 :func:`match_site` walks users from the all_reduce (structural, not a fixed list of traced
 patterns: the forms models produce multiply, and a walk covers their product) and returns a
@@ -28,6 +34,7 @@ or before a scale) blocks the rewrite.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Optional, Union
 
 import torch
@@ -38,7 +45,6 @@ from weave_compile.ops import FUSED_OP
 
 from .graph_utils import (
     VIEW_TARGETS,
-    all_reduce_wait,
     aten,
     broadcasts_as_row,
     call_named,
@@ -47,23 +53,32 @@ from .graph_utils import (
     erase_if_dead,
     getitem_with_meta,
     is_call,
+    only_wait,
     other_operand,
     prims,
     val,
 )
 from .rmsnorm_match import NormMatch, match_rmsnorm, scalar_operand
+from .sequence_parallel import (
+    Collective,
+    GatherTail,
+    NoMatch,
+    SizeSource,
+    collective_of,
+    match_gather,
+    repoint_size_readers,
+    size_args,
+    size_sources,
+    unresolved_size_readers,
+)
 
 _MAX_CHAIN = 16  # views/casts/adds between the all_reduce and the norm; a real model has <= 4
 _MAX_VISITS = 64  # users tried while walking (a node read twice is tried both ways)
 
 
-class NoMatch(Exception):
-    """Why a site was left alone (the message goes to the explain report)."""
-
-
 @dataclasses.dataclass
 class SiteMatch:
-    all_reduce: fx.Node
+    collective: Collective
     chain: list[fx.Node]  # wait .. residual_out, in order
     views: list[fx.Node]
     residual: Optional[fx.Node]
@@ -78,15 +93,22 @@ class SiteMatch:
     extra_readers: list[tuple[fx.Node, list[fx.Node]]] = dataclasses.field(default_factory=list)
     #: the node the fused op goes after (its last input; :func:`match_site` checks it is early enough)
     anchor: Optional[fx.Node] = None
+    #: a reduce-scatter site's all-gather of the normed rows (None: an all_reduce site)
+    gather: Optional[GatherTail] = None
 
     @property
     def residual_out(self) -> fx.Node:
         return self.chain[-1]
 
+    def removed_collectives(self) -> list[fx.Node]:
+        """The collectives the rewrite removes (their ``sym_size`` readers are re-pointed)."""
+        return [self.collective.node] + ([self.gather.all_gather] if self.gather is not None else [])
+
     def describe(self) -> str:
         more = f" (+{len(self.more_residuals)} more addends)" if self.more_residuals else ""
         terms = (("*scale", self.scale), ("+bias", self.bias), ("+residual" + more, self.residual))
-        out = " ".join(["all_reduce"] + [t for t, node in terms if node is not None]) + " -> " + self.norm.describe()
+        out = " ".join([self.collective.kind] + [t for t, node in terms if node is not None]) + " -> "
+        out += self.norm.describe() + (" -> all_gather" if self.gather is not None else "")
         if self.extra_readers:
             out += f" (residual_out also read by {sum(len(r) for _, r in self.extra_readers)} other op(s))"
         return out
@@ -98,12 +120,12 @@ class SiteMatch:
     def replace_with(self, fake_mode, *, kernel: str, comm_ctas: int) -> fx.Node:
         """Fused ``all_reduce -> ... -> RMSNorm`` into
         ``normed, residual_out = weave.allreduce_add_rmsnorm(x, residual, bias, w, eps, group, ...)``
-        right after :attr:`anchor`: the norm's readers read ``normed``, the residual's (and the
-        extra readers, cast and viewed back) ``residual_out``; the site's nodes are erased where
-        dead. Returns the fused op's node."""
-        graph = self.all_reduce.graph
-        x = self.all_reduce.args[0]
-        tx = val(x)
+        right after :attr:`anchor`: the norm's readers (a reduce-scatter site: the all-gather's)
+        read ``normed``, the residual's (and the extra readers, cast and viewed back)
+        ``residual_out``; the site's nodes are erased where dead. Returns the fused op's node."""
+        c = self.collective
+        graph = c.node.graph
+        tx = val(c.x)
         res_node, norm_out = self.residual_out, self.norm.out
         tres, tout = val(res_node), val(norm_out)
         eps_node = self.norm.eps if isinstance(self.norm.eps, fx.Node) else None
@@ -119,33 +141,47 @@ class SiteMatch:
         residual = self.residual
         if self.more_residuals:
             insert_after, residual = self._sum_addends(fake_mode, insert_after)
-        # Replay the chain's views on x so the op sees the residual's shape.
-        xin = x
-        for v in self.views:
-            with graph.inserting_after(insert_after):
-                xin = call_with_meta(graph, fake_mode, v.target, (xin, *v.args[1:]))
-            insert_after = xin
+        xin = c.x
+        if not c.scatters:
+            # Replay the chain's views on x so the op sees the residual's shape. (A reduce-scatter
+            # site's x is N times the residual: the op takes both as rows.)
+            for v in self.views:
+                with graph.inserting_after(insert_after):
+                    xin = call_with_meta(graph, fake_mode, v.target, (xin, *v.args[1:]))
+                insert_after = xin
         with graph.inserting_after(insert_after):
             fused = call_named(
                 graph, fake_mode, FUSED_OP, x=xin, residual=residual, bias=self.bias, weight=self.norm.weight,
-                eps=0.0 if eps_node is not None else self.norm.eps, group_name=self.all_reduce.args[2],
+                eps=0.0 if eps_node is not None else self.norm.eps, group_name=c.group_name,
                 residual_dtype=tres.dtype, out_dtype=tout.dtype, mid_dtype=self.norm.mid_dtype,
-                weight_offset=self.norm.weight_offset, residual_in_sharded=False, residual_out_sharded=False,
+                weight_offset=self.norm.weight_offset,
+                # A reduce-scatter site's residual is the model's shard, and stays one.
+                residual_in_sharded=c.scatters and residual is not None, residual_out_sharded=c.scatters,
                 kernel=kernel, comm_ctas=comm_ctas, scale=scale, eps_tensor=eps_node,
             )
         with graph.inserting_after(fused):
             normed = getitem_with_meta(graph, fused, 0)
         with graph.inserting_after(normed):
             residual_out = getitem_with_meta(graph, fused, 1)
-        self._serve_extra_readers(fake_mode, residual_out)
-        norm_out.replace_all_uses_with(normed)
-        res_node.replace_all_uses_with(residual_out)
-        erase_if_dead(graph, [self.all_reduce, *self.chain, *self.norm.nodes])
+        if self.gather is None:
+            self._serve_extra_readers(fake_mode, residual_out, self.extra_readers)
+            norm_out.replace_all_uses_with(normed)
+            res_node.replace_all_uses_with(residual_out)
+        else:
+            # Every reader of the residual reads this rank's rows, in the shape the graph gave them.
+            readers = [(res_node, [u for u in res_node.users if u not in self.norm.nodes])]
+            last = self._serve_extra_readers(fake_mode, residual_out, self.extra_readers + readers)
+            gathered = self.gather.out
+            normed = _view_as(graph, fake_mode, normed, gathered, self.gathered_shape(), last)
+            gathered.replace_all_uses_with(normed)
+        repoint_size_readers(graph, self.removed_collectives(), size_sources(c))
+        tail = self.gather.nodes if self.gather is not None else []
+        erase_if_dead(graph, [c.node, *self.chain, *self.norm.nodes, *tail])
         return fused
 
     def _sum_addends(self, fake_mode, insert_after: fx.Node) -> tuple[fx.Node, fx.Node]:
         """The residual and the further addends, each through the chain's views after it, summed in graph order."""
-        graph = self.all_reduce.graph
+        graph = self.collective.node.graph
         total = None
         for node, k in [(self.residual, self.residual_views)] + self.more_residuals:
             for v in self.views[k:]:
@@ -159,16 +195,20 @@ class SiteMatch:
             total = node
         return insert_after, total
 
-    def _serve_extra_readers(self, fake_mode, residual_out: fx.Node) -> None:
-        """Point the readers of inner chain nodes at ``residual_out``, cast and viewed back to their value.
+    def _serve_extra_readers(self, fake_mode, residual_out: fx.Node, readers_of) -> fx.Node:
+        """Point the readers of chain nodes (``readers_of``: ``(node, readers)``) at ``residual_out``,
+        cast and viewed back to each node's value; returns the last node inserted.
 
         :func:`_extra_readers` proved that only views and widening casts lie between each such node
-        and ``residual_out``: narrowing back is exact, and the view restores the node's shape.
+        and ``residual_out``: narrowing back is exact, and the view restores the node's shape (a
+        reduce-scatter site's ``residual_out`` is this rank's rows, ``[T/N, H]``).
         """
-        graph = self.all_reduce.graph
+        graph = self.collective.node.graph
         insert_after = residual_out
         tres = val(residual_out)
-        for c, readers in self.extra_readers:
+        for c, readers in readers_of:
+            if not readers:
+                continue
             tc = val(c)
             rec = residual_out
             if tc.dtype != tres.dtype:
@@ -178,29 +218,53 @@ class SiteMatch:
             same_shape = tc.dim() == tres.dim() and all(statically_known_true(a == b)
                                                         for a, b in zip(tc.shape, tres.shape))
             if not same_shape:
-                shape = []
-                for d in self._shape_of(c):
-                    if isinstance(d, tuple):  # (x, dim): a symbolic size, read from x
-                        with graph.inserting_after(insert_after):
-                            insert_after = graph.call_function(aten.sym_size.int, d)
-                        insert_after.meta["val"] = val(d[0]).shape[d[1]]
-                        d = insert_after
-                    shape.append(d)
-                with graph.inserting_after(insert_after):
-                    rec = call_with_meta(graph, fake_mode, aten.view.default, (rec, shape))
-                insert_after = rec
+                rec = insert_after = _view_as(graph, fake_mode, rec, c, self._shape_of(c), insert_after)
             for r in readers:
                 r.replace_input_with(c, rec)
+        return insert_after
 
-    def _shape_of(self, c: fx.Node) -> list:
-        """``c``'s shape as view arguments: the last view's size list before it, else the all_reduce
-        input's sizes (ints, or ``(x, dim)`` for a symbolic one)."""
+    def _shape_of(self, c: fx.Node) -> Optional[list]:
+        """``c``'s shape as view arguments (:func:`_view_as`). An all_reduce site: the last view's
+        size list before it, else the collective's input sizes. A reduce-scatter site: sizes read
+        from the op's inputs (:func:`.sequence_parallel.size_args`; None where two symbolic sizes
+        have no source there)."""
+        if self.collective.scatters:
+            return size_args(val(c).shape, size_sources(self.collective, self.residual))
         idx = self.chain.index(c)
         views = [v for v in self.chain[:idx + 1] if v in self.views]
         if views:
             return list(views[-1].args[1])
-        x = self.all_reduce.args[0]
+        x = self.collective.x
         return [(x, i) if isinstance(d, torch.SymInt) else int(d) for i, d in enumerate(val(x).shape)]
+
+    def gathered_shape(self) -> Optional[list]:
+        """The all-gathered value's shape as view arguments, read from the op's input ``x``."""
+        return size_args(val(self.gather.out).shape, size_sources(self.collective))
+
+
+def _view_as(graph: fx.Graph, fake_mode, node: fx.Node, like: fx.Node, sizes: list, after: fx.Node) -> fx.Node:
+    """``view(node, sizes)`` inserted after ``after`` (with the size arithmetic it needs), ``sizes``
+    as :meth:`SiteMatch._shape_of` gives them: a symbolic size read from its source (every source
+    is defined before the fused op). ``node`` as it is where it already has ``like``'s shape."""
+    t, tl = val(node), val(like)
+    if t.dim() == tl.dim() and all(statically_known_true(a == b) for a, b in zip(t.shape, tl.shape)):
+        return node
+
+    def insert(target, args):
+        nonlocal after
+        with graph.inserting_after(after):
+            after = graph.call_function(target, args)
+        return after
+
+    shape = []
+    for d in sizes:
+        if isinstance(d, SizeSource):
+            d = d.emit(graph, insert)
+        elif isinstance(d, tuple):  # (x, dim): a symbolic size of the all_reduce's input
+            d = SizeSource(*d).emit(graph, insert)
+        shape.append(d)
+    with graph.inserting_after(after):
+        return call_with_meta(graph, fake_mode, aten.view.default, (node, shape))
 
 
 # ----------------------------------------------------------------------------- the walk
@@ -220,24 +284,51 @@ class _Walk:
     more_residuals: tuple = ()
 
 
-def match_site(ar: fx.Node) -> SiteMatch:
-    """Walk from one all_reduce to its RMSNorm; raises NoMatch with the reason."""
-    reduce_op = ar.args[1]
-    if reduce_op != "sum":
-        raise NoMatch(f"reduce op {reduce_op!r} is not sum")
-    wait = all_reduce_wait(ar)
+def match_site(node: fx.Node, same_ranks=None) -> SiteMatch:
+    """Walk from one all_reduce or reduce_scatter to its RMSNorm (and, after a reduce_scatter, the
+    all-gather); raises NoMatch with the reason. ``same_ranks(a, b)``: whether two group names hold
+    the same ranks in the same order (default: the same name)."""
+    c = collective_of(node)
+    if c.reduce_op != "sum":
+        raise NoMatch(f"reduce op {c.reduce_op!r} is not sum")
+    wait = only_wait(node)
     if wait is None:
-        raise NoMatch("all_reduce result is read before wait_tensor")
-    x = ar.args[0]
-    tx = val(x)
+        raise NoMatch(f"{c.kind} result is read before wait_tensor")
+    tx = val(c.x)
     if tx is None:
-        raise NoMatch("no shape information on the all_reduce input")
+        raise NoMatch(f"no shape information on the {c.kind} input")
     if not tx.is_floating_point():
-        raise NoMatch(f"all_reduce of {tx.dtype}")
+        raise NoMatch(f"{c.kind} of {tx.dtype}")
     budget = [_MAX_VISITS]
-    m = _walk(ar, wait, _Walk(chain=(wait,), dtype=tx.dtype), tx.shape[-1], budget)
-    m.extra_readers = _extra_readers(m)
-    m.anchor = _anchor(m)
+    return _walk(c, wait, _Walk(chain=(wait,), dtype=tx.dtype), tx.shape[-1], budget,
+                 lambda m: _finish(m, same_ranks or (lambda a, b: a == b)))
+
+
+class _Unfinished(NoMatch):
+    """A chain that reached an RMSNorm but cannot be the site (the reason outranks a walk's dead ends)."""
+
+
+def _finish(m: SiteMatch, same_ranks) -> SiteMatch:
+    """``m`` with what it needs beyond the chain (the all-gather, the extra readers, the anchor),
+    or :class:`_Unfinished` with why it cannot be rewritten."""
+    c = m.collective
+    try:
+        if c.scatters:
+            m.gather = match_gather(m.norm.out, c, same_ranks)
+        m.extra_readers = _extra_readers(m)
+        unresolved = unresolved_size_readers(m.removed_collectives(), size_sources(c))
+        if unresolved:
+            raise NoMatch(f"a size of a collective's result is read ({', '.join(r.name for r in unresolved)}) "
+                          f"that its input does not carry")
+        if c.scatters:
+            # Every value the op's results stand in for must be rebuilt from them, in its shape.
+            rebuilt = [n for n, _ in m.extra_readers] + [m.residual_out]
+            if any(m._shape_of(n) is None for n in rebuilt) or m.gathered_shape() is None:
+                raise NoMatch("a value of the site has two symbolic sizes that the fused op's inputs do not "
+                              "carry: its shape cannot be rebuilt from the op's results")
+        m.anchor = _anchor(m)
+    except NoMatch as e:
+        raise _Unfinished(str(e)) from None
     return m
 
 
@@ -245,7 +336,7 @@ def _anchor(m: SiteMatch) -> fx.Node:
     """Where the fused op goes: after the residual add, or after a later input of the op (the
     weight; an eps or a scale input's conversion, dynamic=True); NoMatch if that is not before
     the first reader of its results."""
-    order = {n: i for i, n in enumerate(m.all_reduce.graph.nodes)}
+    order = {n: i for i, n in enumerate(m.collective.node.graph.nodes)}
     res_node, norm_out = m.residual_out, m.norm.out
     anchor = res_node
     for inp in (m.norm.weight, m.norm.eps, m.scale):
@@ -254,7 +345,7 @@ def _anchor(m: SiteMatch) -> fx.Node:
     extra = [r for _, readers in m.extra_readers for r in readers]
     if extra and order[anchor] >= min(order[r] for r in extra):
         # A reader of an inner chain node comes first: put the op right after its last input.
-        inputs = [m.all_reduce.args[0], m.residual, m.bias, m.norm.weight, m.norm.eps, m.scale]
+        inputs = [m.collective.x, m.residual, m.bias, m.norm.weight, m.norm.eps, m.scale]
         inputs += [n for n, _ in m.more_residuals]
         anchor = max((n for n in inputs if isinstance(n, fx.Node)), key=order.__getitem__)
     first_use = min((order[u] for n in (res_node, norm_out) for u in n.users
@@ -266,39 +357,45 @@ def _anchor(m: SiteMatch) -> fx.Node:
     return anchor
 
 
-def _walk(ar: fx.Node, cur: fx.Node, st: _Walk, hidden, budget: list[int]) -> SiteMatch:
-    """Depth-first from ``cur``: the first user from which a chain reaches an RMSNorm wins.
+def _walk(c: Collective, cur: fx.Node, st: _Walk, hidden, budget: list[int], finish) -> SiteMatch:
+    """Depth-first from ``cur``: the first chain that reaches an RMSNorm and that ``finish`` accepts wins.
 
     A node read twice (the reduced sum also returned, also read by the next layer) is tried
-    through each reader; the readers the site does not use are checked by :func:`_extra_readers`.
+    through each reader; the readers the site does not use are checked by :func:`_extra_readers`
+    (in ``finish``). A chain through the wrong reader (the next layer's residual add, reaching the
+    next norm) fails there, and the walk goes on with the next reader. Where every chain fails,
+    the reason of one that reached a norm is given, else of the walk's dead ends.
     """
     norm = match_rmsnorm(cur)
     if norm is not None:
-        m = SiteMatch(ar, list(st.chain), list(st.views), st.residual, st.bias, norm, st.scale)
+        m = SiteMatch(c, list(st.chain), list(st.views), st.residual, st.bias, norm, st.scale)
         m.more_residuals, m.residual_views = list(st.more_residuals), st.residual_views
-        return m
+        return finish(m)
     if len(st.chain) > _MAX_CHAIN:
-        raise NoMatch("no RMSNorm within the ops after the all_reduce")
+        raise NoMatch(f"no RMSNorm within the ops after the {c.kind}")
     users = list(cur.users)
     failures: list[NoMatch] = []
     for u in users:
         budget[0] -= 1
         if budget[0] < 0:
-            raise NoMatch(f"no RMSNorm found within {_MAX_VISITS} ops tried after the all_reduce")
+            raise NoMatch(f"no RMSNorm found within {_MAX_VISITS} ops tried after the {c.kind}")
         try:
-            return _walk(ar, u, _step(cur, u, st, hidden), hidden, budget)
+            return _walk(c, u, _step(c, cur, u, st, hidden), hidden, budget, finish)
         except NoMatch as e:
             failures.append(e)
+    unfinished = [e for e in failures if isinstance(e, _Unfinished)]
+    if unfinished:
+        raise unfinished[0]
     if len(users) == 1:
         raise failures[0]
     uses = ", ".join(str(n.target) for n in users) or "nothing"
-    raise NoMatch(f"all_reduce result feeds {len(users)} users ({uses}), no RMSNorm after it")
+    raise NoMatch(f"{c.kind} result feeds {len(users)} users ({uses}), no RMSNorm after it")
 
 
-def _step(cur: fx.Node, u: fx.Node, st: _Walk, hidden) -> _Walk:
+def _step(c: Collective, cur: fx.Node, u: fx.Node, st: _Walk, hidden) -> _Walk:
     """The walk one op further, through ``u`` (a reader of ``cur``), or NoMatch."""
     if u.op != "call_function":
-        raise NoMatch(f"all_reduce result reaches the graph {u.op} before any RMSNorm")
+        raise NoMatch(f"{c.kind} result reaches the graph {u.op} before any RMSNorm")
     tu = val(u)
     if tu is None:
         raise NoMatch(f"no shape information on {u.name}")
@@ -321,7 +418,7 @@ def _step(cur: fx.Node, u: fx.Node, st: _Walk, hidden) -> _Walk:
         other = other_operand(u, cur)
         to = val(other)
         if to is None:
-            raise NoMatch(f"all_reduce result plus a non-tensor ({other!r})")
+            raise NoMatch(f"{c.kind} result plus a non-tensor ({other!r})")
         if to.shape == tu.shape and st.residual is None:
             return dataclasses.replace(st, chain=chain, residual=other, dtype=tu.dtype, residual_views=len(st.views))
         if to.shape == tu.shape and to.dtype == val(st.residual).dtype:
@@ -331,8 +428,8 @@ def _step(cur: fx.Node, u: fx.Node, st: _Walk, hidden) -> _Walk:
                                        more_residuals=st.more_residuals + ((other, len(st.views)),))
         if broadcasts_as_row(to, hidden) and st.bias is None:
             return dataclasses.replace(st, chain=chain, bias=other, dtype=tu.dtype)
-        raise NoMatch(f"add of a {list(to.shape)} tensor after the all_reduce")
-    raise NoMatch(f"all_reduce result feeds {u.target} before any RMSNorm")
+        raise NoMatch(f"add of a {list(to.shape)} tensor after the {c.kind}")
+    raise NoMatch(f"{c.kind} result feeds {u.target} before any RMSNorm")
 
 
 def _value_preserving(node: fx.Node) -> bool:
@@ -356,7 +453,7 @@ def _extra_readers(m: SiteMatch) -> list[tuple[fx.Node, list[fx.Node]]]:
         blocker = next((n for n in m.chain[i + 1:] if not _value_preserving(n)), None)
         if blocker is not None:
             uses = ", ".join(str(n.target) for n in c.users)
-            raise NoMatch(f"all_reduce result feeds {len(c.users)} users ({uses}): {c.name} is also read by "
+            raise NoMatch(f"{m.collective.kind} result feeds {len(c.users)} users ({uses}): {c.name} is also read by "
                           f"{', '.join(n.name for n in others)}, and the fused op returns only the sum after "
                           f"{blocker.target}")
         out.append((c, others))

@@ -1,6 +1,10 @@
 """Fuse ``all_reduce -> (+bias) -> (+residual) -> RMSNorm`` into ``weave::allreduce_add_rmsnorm``.
 
-Three steps per all_reduce, in graph order:
+Also the sequence-parallel form of the same computation, ``reduce_scatter -> (+bias) -> (+residual
+shard) -> RMSNorm -> all_gather`` (:mod:`.sequence_parallel`), whose op keeps the model's own
+sharded residual.
+
+Three steps per all_reduce or reduce_scatter, in graph order:
 
 1. **match** (:func:`.allreduce_site.match_site`, the norm by :mod:`.rmsnorm_match`): the site's
    nodes and what the op needs, or the reason it is left alone;
@@ -31,6 +35,7 @@ import torch
 import torch.fx as fx
 
 from weave_compile import kernels
+from weave_compile.agreement import group_ranks
 from weave_compile.config import TokenWeaveConfig
 from weave_compile.kernels import auto
 from weave_compile.report import SiteReport
@@ -38,19 +43,33 @@ from weave_compile.rows import group_size
 
 from .allreduce_site import NoMatch, SiteMatch, match_site
 from .base import WeavePass
-from .graph_utils import ALL_REDUCE_TARGETS, fake_mode_of, is_call, val
+from .graph_utils import REDUCING_TARGETS, fake_mode_of, is_call, val
+from .sequence_parallel import collective_of
 
 log = logging.getLogger(__name__)
 
-#: ``node.meta`` key of a fused op: the name of the all_reduce node it replaced (the site's id
+#: ``node.meta`` key of a fused op: the name of the collective node it replaced (the site's id
 #: in the report); the split pass copies it onto each half's op.
 SITE_KEY = "weave_site"
+#: ``node.meta`` key of a fused op whose residual is the model's own shard (a reduce-scatter site):
+#: the shard pass leaves its layout alone.
+MODEL_SHARDED_KEY = "weave_model_sharded"
+#: What the report says of such a site's residual.
+MODEL_SHARDED = "sharded by the model"
 
 
-def all_reduce_sites(graph: fx.Graph, reason: str = "") -> list[SiteReport]:
-    """A report of every all_reduce of ``graph``, none fused (``reason`` says why)."""
-    return [SiteReport(node=n.name, group=str(n.args[2]), fused=False, reason=reason)
-            for n in graph.nodes if is_call(n, ALL_REDUCE_TARGETS)]
+def reducing_sites(graph: fx.Graph, reason: str = "") -> list[SiteReport]:
+    """A report of every all_reduce and reduce_scatter of ``graph``, none fused (``reason`` says why)."""
+    out = []
+    for n in graph.nodes:
+        if is_call(n, REDUCING_TARGETS):
+            c = collective_of(n)
+            out.append(SiteReport(node=n.name, group=c.group_name, fused=False, reason=reason, form=c.form))
+    return out
+
+
+def _same_ranks(a: str, b: str) -> bool:
+    return a == b or group_ranks(a) == group_ranks(b)
 
 
 def _hints(shape) -> tuple[Optional[int], Optional[int]]:
@@ -86,8 +105,8 @@ def _token_range(shape) -> Optional[tuple[int, Optional[int]]]:
 
 def site_of(m: SiteMatch, config: TokenWeaveConfig) -> kernels.Site:
     """What the choice and the reservation need to know of a matched site."""
-    tx = val(m.all_reduce.args[0])
-    group = str(m.all_reduce.args[2])
+    tx = val(m.collective.x)
+    group = m.collective.group_name
     rows, hint = _hints(tx.shape[:-1])
     eps = m.norm.eps
     return kernels.Site(
@@ -95,8 +114,9 @@ def site_of(m: SiteMatch, config: TokenWeaveConfig) -> kernels.Site:
         hidden=int(tx.shape[-1]), group_name=group, world_size=group_size(group), num_tokens=rows, size_hint=hint,
         token_range=_token_range(tx.shape[:-1]),
         residual_in_dtype=val(m.residual).dtype if m.residual is not None else None,
-        # Whether the split will run here (the split pass decides later; its threshold is known).
-        split=config.split and (rows is None or rows >= config.split_threshold),
+        # Whether the split will run here (the split pass decides later; its threshold is known;
+        # it leaves graphs with reduce-scatter sites alone).
+        split=config.split and not m.collective.scatters and (rows is None or rows >= config.split_threshold),
         has_scale=m.scale is not None,
         eps_on_device=isinstance(eps, fx.Node) and val(eps).device.type != "cpu",
         out_in_place=config.output_in_place, comm_ctas=config.comm_ctas, terms=_terms(m))
@@ -121,17 +141,17 @@ class FuseAllReduceRMSNormPass(WeavePass):
 
     def __call__(self, graph: fx.Graph) -> list[SiteReport]:
         fake_mode = fake_mode_of(graph)
-        sites = all_reduce_sites(graph)
+        sites = reducing_sites(graph)
         by_name = {s.node: s for s in sites}
-        for ar in [n for n in graph.nodes if is_call(n, ALL_REDUCE_TARGETS)]:
-            site = by_name[ar.name]
+        for node in [n for n in graph.nodes if is_call(n, REDUCING_TARGETS)]:
+            site = by_name[node.name]
             try:
-                if group_size(ar.args[2]) == 1:
+                if group_size(collective_of(node).group_name) == 1:
                     raise NoMatch("group of size 1: nothing to reduce")
-                self._fuse(match_site(ar), site, fake_mode)
+                self._fuse(match_site(node, _same_ranks), site, fake_mode)
             except NoMatch as e:
                 site.reason = str(e)
-                log.info("tokenweave: %s not fused: %s", ar.name, e)
+                log.info("tokenweave: %s not fused: %s", node.name, e)
         return sites
 
     def _fuse(self, m: SiteMatch, site: SiteReport, fake_mode) -> None:
@@ -146,14 +166,16 @@ class FuseAllReduceRMSNormPass(WeavePass):
             # allocations it does not own). Collective: every rank compiles the same graph.
             impl.reserve(where)
         fused = m.replace_with(fake_mode, kernel=kernel, comm_ctas=self.config.comm_ctas)
-        fused.meta[SITE_KEY] = m.all_reduce.name
+        fused.meta[SITE_KEY] = m.collective.node.name
+        if m.collective.scatters:
+            fused.meta[MODEL_SHARDED_KEY] = True
         kept = m.kept_norm_nodes()
         self.matched_count += 1
         site.fused = True
         site.reason = m.describe() + (f" (norm intermediates kept for other users: {kept})" if kept else "")
         site.kernel, site.kernel_reason = kernel, kernel_reason
-        site.residual = "full"
-        log.info("tokenweave: fused %s: %s, kernel %s", m.all_reduce.name, site.reason, kernel)
+        site.residual = MODEL_SHARDED if m.collective.scatters else "full"
+        log.info("tokenweave: fused %s: %s, kernel %s", m.collective.node.name, site.reason, kernel)
 
 
-__all__ = ["SITE_KEY", "FuseAllReduceRMSNormPass", "NoMatch", "all_reduce_sites", "site_of"]
+__all__ = ["MODEL_SHARDED_KEY", "SITE_KEY", "FuseAllReduceRMSNormPass", "NoMatch", "reducing_sites", "site_of"]

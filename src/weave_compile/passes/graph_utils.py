@@ -12,6 +12,13 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 
 ALL_REDUCE_TARGETS = {torch.ops._c10d_functional.all_reduce.default}
+#: ``reduce_scatter_tensor(x, reduce_op, group_size, group)`` and ``all_gather_into_tensor(x,
+#: group_size, group)``: what sequence-parallel code (DTensor's ``Shard`` redistributions, Megatron's
+#: ``reduce_scatter_tensor`` / ``all_gather_into_tensor``, funcol) becomes.
+REDUCE_SCATTER_TARGETS = {torch.ops._c10d_functional.reduce_scatter_tensor.default}
+ALL_GATHER_TARGETS = {torch.ops._c10d_functional.all_gather_into_tensor.default}
+#: Every collective that starts a fused site.
+REDUCING_TARGETS = ALL_REDUCE_TARGETS | REDUCE_SCATTER_TARGETS
 WAIT_TARGETS = {torch.ops._c10d_functional.wait_tensor.default}
 VIEW_TARGETS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
@@ -33,6 +40,19 @@ def all_reduce_wait(ar: fx.Node) -> Optional[fx.Node]:
     """The ``wait_tensor`` that is the only reader of all_reduce ``ar``, or None."""
     wait = next(iter(ar.users)) if len(ar.users) == 1 else None
     return wait if wait is not None and WAIT_ALL_REDUCE.match(wait) else None
+
+
+def shape_readers(node: fx.Node) -> list[fx.Node]:
+    """The readers of ``node`` that read only a size of it (``sym_size``: dynamic shapes)."""
+    return [u for u in node.users if is_call(u, aten.sym_size.int)]
+
+
+def only_wait(collective: fx.Node) -> Optional[fx.Node]:
+    """The ``wait_tensor`` that is the only reader of ``collective`` (any functional collective)
+    besides reads of its sizes (:func:`shape_readers`), or None."""
+    users = [u for u in collective.users if u not in shape_readers(collective)]
+    wait = users[0] if len(users) == 1 else None
+    return wait if is_call(wait, WAIT_TARGETS) and wait.args[0] is collective else None
 
 
 def val(node: Any) -> Optional[torch.Tensor]:

@@ -2,11 +2,13 @@
 
 0. ``merge`` (:mod:`.merge_all_reduces`): ``all_reduce(a) + all_reduce(b)`` over one group becomes
    one ``all_reduce(a + b)`` (MoE routed + shared experts), so that ``fuse`` sees one.
-1. ``fuse``  (:mod:`.fuse_allreduce_rmsnorm`): all_reduce -> (+bias) -> (+residual) -> RMSNorm
-   becomes one ``weave::allreduce_add_rmsnorm`` op.
+1. ``fuse``  (:mod:`.fuse_allreduce_rmsnorm`): all_reduce -> (+bias) -> (+residual) -> RMSNorm,
+   and reduce_scatter -> (+bias) -> (+residual shard) -> RMSNorm -> all_gather (sequence
+   parallel), becomes one ``weave::allreduce_add_rmsnorm`` op.
 2. ``split`` (:mod:`.split_tokens`): token prefix/suffix halves, their fused communication on a
    second stream, TokenWeave's interleaved schedule.
-3. ``shard`` (:mod:`.shard_residual`): residuals passed only between fused sites stay sharded.
+3. ``shard`` (:mod:`.shard_residual`): residuals passed only between fused sites stay sharded
+   (a sequence-parallel site's residual is sharded by the model already).
 4. ``output`` (:mod:`.output_in_place`): a ``p2p`` fused op's normed output stays in the symmetric
    output ring where the peers pushed it, where every reader provably runs before the ring slot
    is written again (option ``output_in_place``; off by default).
@@ -29,6 +31,7 @@ import dataclasses
 import hashlib
 import logging
 
+import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -40,7 +43,7 @@ from weave_compile.ops import FUSED_OP, START_OP
 from weave_compile.report import SplitSummary
 
 from . import base, graph_utils
-from .fuse_allreduce_rmsnorm import FuseAllReduceRMSNormPass, all_reduce_sites
+from .fuse_allreduce_rmsnorm import FuseAllReduceRMSNormPass, reducing_sites
 from .merge_all_reduces import MergeAllReducesPass, annotate_merged
 from .output_in_place import OFF, OutputInPlacePass
 from .shard_residual import ShardResidualPass
@@ -92,11 +95,13 @@ class WeavePassManager(CustomGraphPass):
         before = _count_ops(graph)
         # Only a rewriting run can make ranks' collectives differ; fuse=False is plain Inductor.
         written = agreement.plan(graph) if self.config.fuse else {}
+        merges = self.merge(graph) if self.config.fuse else []
+        report.merged = [len(m.merged) for m in merges]
+        report.leaves = _leaving_before_norm(graph)
         if self.config.fuse:
-            merges = self.merge(graph)
             sites = annotate_merged(self.fuse(graph), merges)
         else:
-            sites = all_reduce_sites(graph, "fuse disabled by option")
+            sites = reducing_sites(graph, "fuse disabled by option")
         split = self.split(graph) if self.config.split else SplitSummary(reason="split disabled by option")
         residual = self.shard(graph) if self.config.shard_residual else {}
         output = self.output(graph, *self._output_allowed())
@@ -110,6 +115,9 @@ class WeavePassManager(CustomGraphPass):
                         for s in sites]
         report.split = split
         report.op_counts = {k: (before[k], after[k]) for k in before}
+        if self.config.fuse:
+            report.other_gathers = [n.name for n in graph.nodes
+                                    if graph_utils.is_call(n, graph_utils.ALL_GATHER_TARGETS)]
         log.debug("tokenweave: post-pass graph\n%s", graph)
 
     def uuid(self) -> str:
@@ -119,9 +127,28 @@ class WeavePassManager(CustomGraphPass):
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
+def _leaving_before_norm(graph: fx.Graph) -> list[str]:
+    """The all_reduces (and reduce_scatters) whose result reaches the graph's output before any RMSNorm: where a graph
+    break ends the graph, the norm they would fuse with is in the next graph. Reading the graph
+    backwards, a node reaches the output if it is the output or a reader does, not counting an
+    ``rsqrt`` nor what reads one (the norm's product): one pass over the graph."""
+    rsqrt = torch.ops.aten.rsqrt.default
+
+    def normed(node: fx.Node) -> bool:
+        return node.target == rsqrt or any(a.target == rsqrt for a in node.all_input_nodes)
+
+    reaches: set[fx.Node] = set()
+    for node in reversed(graph.nodes):
+        if node.op == "output" or any(u in reaches and not normed(u) for u in node.users):
+            reaches.add(node)
+    return [n.name for n in graph.nodes if n in reaches and graph_utils.is_call(n, graph_utils.REDUCING_TARGETS)]
+
+
 def _count_ops(graph: fx.Graph) -> dict[str, int]:
     return {
         "all_reduce": sum(graph_utils.is_call(n, graph_utils.ALL_REDUCE_TARGETS) for n in graph.nodes),
+        "reduce_scatter": sum(graph_utils.is_call(n, graph_utils.REDUCE_SCATTER_TARGETS) for n in graph.nodes),
+        "all_gather": sum(graph_utils.is_call(n, graph_utils.ALL_GATHER_TARGETS) for n in graph.nodes),
         "weave.allreduce_add_rmsnorm": sum(graph_utils.is_call(n, FUSED_OP) for n in graph.nodes),
         "weave.allreduce_add_rmsnorm_start": sum(graph_utils.is_call(n, START_OP) for n in graph.nodes),
     }

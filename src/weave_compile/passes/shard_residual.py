@@ -15,6 +15,9 @@ The split pass's per-half ``weave.allreduce_add_rmsnorm_start`` ops are treated 
 
 A residual read by anything else (the model's output, a non-fused op, a fused site over other
 ranks or of another shape) stays full: the producing op gathers it. A residual nobody reads (the last layer) is left sharded, which skips its gather.
+
+A sequence-parallel site's op (``MODEL_SHARDED_KEY``) reads and returns the model's own shard: its
+layout is the model's, and this pass leaves it and its report label alone.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from weave_compile.agreement import group_ranks
 from weave_compile.ops import FUSED_OP, START_OP, WAIT_OP
 
 from .base import WeavePass
-from .fuse_allreduce_rmsnorm import SITE_KEY
+from .fuse_allreduce_rmsnorm import MODEL_SHARDED_KEY, SITE_KEY
 from .graph_utils import fake_mode_of, is_call, named_args, replace_args, set_fake_val, val
 
 log = logging.getLogger(__name__)
@@ -83,7 +86,7 @@ class ShardResidualPass(WeavePass):
     """Returns each fused site's residual label (site id -> "full" / "in sharded" / ...)."""
 
     def __call__(self, graph: fx.Graph) -> dict[str, str]:
-        fused_nodes = [n for n in graph.nodes if is_call(n, *_FUSED)]
+        fused_nodes = [n for n in graph.nodes if is_call(n, *_FUSED) and not n.meta.get(MODEL_SHARDED_KEY)]
         kept_full: dict[fx.Node, str] = {}
         changed: set[fx.Node] = set()
         for fused in fused_nodes:

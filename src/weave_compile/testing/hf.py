@@ -18,13 +18,9 @@ Under ``torch.no_grad()`` the row-parallel ``Linear`` of the plan reduces with a
 DTensor paths with ``funcol.all_reduce``; MoE experts (``moe_tp_experts``) with ``dist.all_reduce``
 after the weighted sum of the experts.
 
-One thing in the plans stops ``torch.compile(fullgraph=True)``: ``replicated_with_grad_allreduce``
-(Qwen3's and Gemma3's per-head q/k norms) registers a *module full backward hook* to sum the norm
-weights' gradients, and Dynamo refuses module backward hooks without compiled autograd ("Module-level
-backwards hooks require compiled autograd"); without ``fullgraph`` it breaks the graph at every
-q/k norm and nothing is fused. The hooks only act in backward, so :func:`build_model` drops them
-(:func:`drop_grad_sync_hooks`) unless asked not to; ``torch._dynamo.config.compiled_autograd = True``
-is the other way out.
+Transformers 5.17's ``replicated_with_grad_allreduce`` plan entries (Qwen3's and Gemma3's per-head
+q/k norms) register a module full backward hook that sums the norm weights' gradients; the model
+keeps it: the backend traces it as the no-op it is under no_grad (:mod:`weave_compile.backward_hooks`).
 """
 
 from __future__ import annotations
@@ -259,7 +255,7 @@ def make_config(arch: str, size: str = "tiny", *, layers: Optional[int] = None, 
 
 def build_model(arch: str, size: str = "tiny", *, layers: Optional[int] = None, tp: bool = True, seed: int = 0,
                 dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
-                keep_grad_hooks: bool = False, **config_overrides: Any):
+                **config_overrides: Any):
     """A causal LM with random weights from ``seed``, sharded over the default process group if ``tp``.
 
     Every rank must call it with the same arguments (same seed: the same full weights, of which
@@ -276,8 +272,6 @@ def build_model(arch: str, size: str = "tiny", *, layers: Optional[int] = None, 
         model = cls._from_config(config, dtype=dtype)
     if tp and dist.is_initialized() and dist.get_world_size() > 1:
         model = shard_with_tp_plan(model, device=device)
-        if not keep_grad_hooks:
-            drop_grad_sync_hooks(model)
     return model.eval()
 
 
@@ -314,21 +308,6 @@ def untie_output_embedding(model) -> bool:
         return False
     out.weight = torch.nn.Parameter(inp.weight.detach().clone(), requires_grad=inp.weight.requires_grad)
     return True
-
-
-def drop_grad_sync_hooks(model) -> int:
-    """Remove the backward hooks ``replicated_with_grad_allreduce`` puts on q/k norms; returns how many.
-
-    They sum the norm weights' gradients across ranks, so they do nothing in inference, but
-    Dynamo cannot trace a module with full backward hooks (see the module docstring).
-    """
-    removed = 0
-    for mod in model.modules():
-        for key, hook in list(mod._backward_hooks.items()):
-            if "ReplicatedWithGradAllReduce" in getattr(hook, "__qualname__", ""):
-                del mod._backward_hooks[key]
-                removed += 1
-    return removed
 
 
 def prompt(batch: int, tokens: int, vocab: int, seed: int, device: Optional[torch.device] = None) -> torch.Tensor:

@@ -168,13 +168,18 @@ class TPLlama(nn.Module):
                     b.copy_(full(d.hidden, scale=0.1))
         self.final_norm.weight.add_(full(d.hidden, scale=0.1))
 
-    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+    def embed_partial(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the embedding: its vocabulary slice's rows, zeros elsewhere (the
+        whole embedding without a vocab-parallel table)."""
         if not self.vocab_parallel:
             return self.embed(tokens)
         local = tokens - self.vocab_start
         mask = (local < 0) | (local >= self.embed.num_embeddings)
-        h = self.embed(local.clamp(0, self.embed.num_embeddings - 1)) * (~mask).unsqueeze(-1).to(self.embed.weight.dtype)
-        return _all_reduce(h, self.group)
+        return self.embed(local.clamp(0, self.embed.num_embeddings - 1)) * (~mask).unsqueeze(-1).to(self.embed.weight.dtype)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed_partial(tokens)
+        return _all_reduce(h, self.group) if self.vocab_parallel else h
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         residual = self.embed_tokens(tokens)

@@ -361,7 +361,7 @@ def test_addnorm_default_shapes():
     from weave_compile.kernels.shared.common import next_pow2, prefetch_fits
 
     for H in (2048, 3000, 4096):
-        assert addnorm.launch_config(H, slots=1) == addnorm.LaunchConfig(8, 1, 8, False, 256, addnorm.ROWWISE_DEPTH)
+        assert addnorm.launch_config(H, slots=1) == addnorm.LaunchConfig(8, 1, 8, False, 256, addnorm.ADDNORM_ROWWISE_DEPTH)
     assert addnorm.launch_config(2047, slots=1).chunk == 0
     assert addnorm.launch_config(4096, slots=2).chunk == 0
     assert addnorm.launch_config(4096, slots=1, res_bytes=4).chunk == 0  # the kept row would not fit

@@ -198,14 +198,15 @@ def test_stream_memops_cross_stream_in_graph():
 @pytest.mark.parametrize("N", [2, 3])
 @pytest.mark.parametrize("T", [1, 3, 257, 4099])
 @pytest.mark.parametrize("H", [2880, 4096, 8192])
-@pytest.mark.parametrize("residual", [None, "full", "sharded"])
+@pytest.mark.parametrize("residual", [None, "full", "sharded", "first"])
 def test_ce_emulated_matches_float64(N, T, H, residual, seed):
-    sharded = residual == "sharded"
+    """``first``: no residual in, this rank's rows out (a sequence-parallel model's first site)."""
+    sharded = residual in ("sharded", "first")
     S = -(-T // N)
     wss = ce.emulated_workspaces(N, S + 5, H, (BF16,) * 3, device="cuda")
-    partials, res_full, bias, weight = _inputs(N, T, H, BF16, BF16, residual is not None, seed)
+    partials, res_full, bias, weight = _inputs(N, T, H, BF16, BF16, residual in ("full", "sharded"), seed)
     outs = emulated_call(wss, partials, _residual_args(res_full, N, T, sharded), bias, weight, None,
-                         eps=1e-5, residual_in_sharded=sharded, residual_out_sharded=sharded)
+                         eps=1e-5, residual_in_sharded=residual == "sharded", residual_out_sharded=sharded)
     _sync()
     _check(outs, partials, res_full, bias, weight, N, T, sharded)
 

@@ -88,7 +88,7 @@ def test_push_meta_is_rank_independent_fits_and_covers_rows():
                         assert world == 2 and nbytes == 2 and 2048 <= H and H * nbytes <= 8192
                         assert math.ceil(S / ctas) >= launch.ROWWISE_WARPS  # no idle warps
                         assert m.block_rows * m.norm_unroll == m.num_warps == launch.ROWWISE_WARPS
-                        assert (m.norm_chunk, m.norm_depth) == (launch.ROWWISE_CHUNK, launch.ROWWISE_DEPTH)
+                        assert (m.norm_chunk, m.norm_depth) == (launch.ROWWISE_CHUNK, launch.PUSH_ROWWISE_DEPTH)
                     assert 1 <= m.grid <= ctas and m.block_h >= H
                     for n in (m.block_rows, m.copy_unroll, m.norm_unroll):
                         assert 1 <= n <= 8 and n & (n - 1) == 0  # tl.arange needs powers of 2
@@ -210,6 +210,7 @@ SIM_CASES = [
               channel=1, seed=4),  # non-pow2 H, mixed dtypes, channel 1
     make_case(23, 64, "bf16", res="shard_out", weight=False, ctas=2, seed=5),
     make_case(64, 16, "bf16", res_dtype="fp32", mid="bf16", ctas=2, seed=6),  # 8 rows / CTA
+    make_case(24, 64, "bf16", res="first", ctas=2, seed=7),  # no residual in, this rank's rows out
 ]
 SIM_REPEATS = 2  # every case twice in a row with fresh data: pads must reset
 
@@ -323,7 +324,7 @@ def gpu_matrix_cases(smoke=False):
             for T in (1, 7, 128, 1000, 4096, 16384):
                 cs.append(make_case(T, H, dt, seed=len(cs) + 1))
     for T in (7, 1000):
-        for res in ("shard_in", "shard_out", "shard_both", "none"):
+        for res in ("shard_in", "shard_out", "shard_both", "none", "first"):
             cs.append(make_case(T, 4096, "bf16", res=res, seed=len(cs) + 1))
     cs += [
         make_case(128, 4096, "bf16", bias=False, weight=False, seed=101),

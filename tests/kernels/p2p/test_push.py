@@ -21,8 +21,8 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from tests.kernels._symm_cases import (DTYPES, check_outputs, make_case, make_inputs,  # noqa: E402
-                                       reference, rows_ref, shard_rows)
+from tests.kernels._symm_cases import (DTYPES, NO_RESIDUAL, check_outputs, make_case,  # noqa: E402
+                                       make_inputs, reference, rows_ref, shard_rows, sharding)
 from weave_compile.kernels.shared.common import ENV_SPIN_LIMIT, HAS_TRITON  # noqa: E402
 from weave_compile.testing.emulated_ranks import EmulatedRanks, push_allreduce_rmsnorm  # noqa: E402
 
@@ -42,7 +42,7 @@ def _cases():
             cs.append(make_case(Ts[k % 4], H, dt, res=("full", "shard_both")[k % 2], seed=k + 1))
     # every T with both residual forms at the Llama-8B size
     for T in Ts:
-        for res in ("full", "shard_in", "shard_out", "shard_both"):
+        for res in ("full", "shard_in", "shard_out", "shard_both", "first"):
             cs.append(make_case(T, 4096, "bf16", res=res, seed=len(cs) + 1))
     cs += [
         make_case(257, 4096, "bf16", res_dtype="fp32", mid="bf16", seed=101),  # HF Llama
@@ -60,7 +60,7 @@ def _cases():
 
 def _run_case(ranks, c, outputs=None):
     xs, residual, bias, weight = make_inputs(c, WORLD, "cuda")
-    in_sh, out_sh = c["res"] in ("shard_in", "shard_both"), c["res"] in ("shard_out", "shard_both")
+    in_sh, out_sh = sharding(c)
     res_in = [None if residual is None else (shard_rows(residual, WORLD, r) if in_sh else residual)
               for r in range(WORLD)]
     outs = push_allreduce_rmsnorm(
@@ -76,14 +76,14 @@ def _ranks_for(c, max_tokens=None):
     rdt = DTYPES[c["res_dtype"]] if c["res_dtype"] else dt
     return EmulatedRanks.create(WORLD, c["H"], max_tokens or c["T"], dtype=dt,
                                 out_dtype=DTYPES[c["out_dtype"]] if c["out_dtype"] else dt,
-                                residual_dtype=rdt if c["res"] != "none" else dt)
+                                residual_dtype=rdt if c["res"] not in NO_RESIDUAL else dt)
 
 
 def _poisoned(ranks, c):
     T, H = c["T"], c["H"]
     S = math.ceil(T / WORLD)
     ws = ranks.workspaces[0]
-    rows = S if c["res"] in ("shard_out", "shard_both") else T
+    rows = S if sharding(c)[1] else T
     return [(torch.full((T, H), float("nan"), dtype=ws.out_dtype, device="cuda"),
              torch.full((rows, H), float("nan"), dtype=ws.res_dtype, device="cuda"))
             for _ in range(WORLD)]
@@ -178,7 +178,7 @@ def test_push_output_left_in_the_ring(c):
     slots (staging slot 0 included) untouched; a launch on the other slot leaves it intact."""
     ranks = _ranks_for(c, max_tokens=c["T"] + 64)  # peers' slots start elsewhere than global rows
     xs, residual, bias, weight = make_inputs(c, WORLD, "cuda")
-    in_sh, out_sh = c["res"] in ("shard_in", "shard_both"), c["res"] in ("shard_out", "shard_both")
+    in_sh, out_sh = sharding(c)
     res_in = [None if residual is None else (shard_rows(residual, WORLD, r) if in_sh else residual)
               for r in range(WORLD)]
     kw = dict(residual_out_sharded=out_sh, residual_in_sharded=in_sh, comm_ctas=c["ctas"],

@@ -18,11 +18,11 @@ def _static_smart_split(rank, world_size, seed):
 
     d, model = tp_llama(rank, world_size, seed)
     out = []
-    for t, opts in ((40, {}), (41, {"split_at": 5})):
+    for b, t, opts in ((1, 40, {}), (1, 41, {"split_at": 5}), (4, 10, {})):
         weave_compile.reset()
         torch._dynamo.reset()
         c = torch.compile(model, backend="tokenweave", dynamic=False, options={"split": True, "split_threshold": THRESHOLD, **opts})
-        x = tokens(d, 1, t, seed)
+        x = tokens(d, b, t, seed)
         with torch.no_grad():
             err = rel_err(c(x), model(x))
         (g,) = weave_compile.explain().graphs
@@ -30,12 +30,13 @@ def _static_smart_split(rank, world_size, seed):
     return out
 
 
-def test_static_token_count_uses_the_smart_split_or_the_forced_one(seed):
+def test_static_token_count_uses_the_smart_split_or_the_forced_one_and_a_batch_splits_by_sequence(seed):
     for res in assert_ranks_ok(run_ranks(_static_smart_split, 2, args=(seed,), timeout=600)):
-        (err, text, sites), (ferr, ftext, _) = res
-        assert err < 1e-5 and ferr < 1e-5
+        (err, text, sites), (ferr, ftext, _), (berr, btext, _) = res
+        assert err < 1e-5 and ferr < 1e-5 and berr < 1e-5
         assert text.startswith("split 40 tokens at 20 (smart split: T // 2"), text  # no 64-row grid point in [10, 30]
         assert ftext.startswith("split 41 tokens at 5 (forced)"), ftext
+        assert btext.startswith("split a batch of 4 sequences at 2 (half): "), btext  # whole sequences per half
         assert sites == ["per half, comm stream"] * len(sites) and sites
 
 

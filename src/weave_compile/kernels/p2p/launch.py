@@ -29,10 +29,10 @@ from .push import push_allreduce_rmsnorm_kernel
 _SMEM_BUDGET = 160 * 1024
 _MAX_NORM_STAGES = 3
 _COPY_IN_FLIGHT = 64 * 1024  # bytes each CTA of a copy phase loads before it stores
-#: Chunks the one-warp-per-row add+norm loads ahead: 7 (one H200, H=4096, 8 CTAs: 4 / 6 / 8
-#: ahead moved 78.3 / 81.6 / 85.7 GB/s per CTA; 8 spills one register with a full residual
-#: pushed to the peers, a bias and the ring, 7 fits every flag combination).
-ROWWISE_DEPTH = 7
+#: Chunks the push kernel's one-warp-per-row add+norm loads ahead: the most that fits the
+#: registers with every flag combination (a full residual pushed to the peers, a bias, the ring);
+#: one more spills (docs/performance.md, "Launch shapes").
+PUSH_ROWWISE_DEPTH = 7
 
 
 def _prefetch_shape(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
@@ -41,16 +41,13 @@ def _prefetch_shape(hidden: int, rows_per_rank: int, comm_ctas: int, world_size:
     shape keeps two tiles of its inputs in registers.
 
     Each thread holds ``E`` elements of every input (x, the padded peer tile, the residual) of
-    the current tile and of the next one.  Measured on one H200 with 2 bf16 ranks, emulated:
-    E = 16 (16 warps; 2 rows at H=4096, 1 at 8192) is the fastest whole op at 8 and 32 CTAs
-    (E = 32 with 8 warps won a standalone add+norm probe but lost in the kernel), and shapes
-    beyond the register file spill (10-20x slower).  So: the largest E <= 16 whose registers fit
+    the current tile and of the next one. The rule: the largest ``E <= 16`` whose registers fit
     (:func:`weave_compile.kernels.shared.common.prefetch_fits`), then the biggest tile, then the
-    fewest warps.  With the output left in the ring the same cap: 16 warps beat E = 32 there too
-    (whole op 405 vs 427 us at H=4096, 780 vs 818 at 8192, 8 CTAs; 154 vs 159 and 297 vs 307 at
-    32).  Only 2-rank bf16 shapes are measured; for the others the model only keeps the shape
-    inside the register file.  (At 2 ranks and 2048 <= H <= 4096 the one-warp-per-row loop runs
-    instead, :func:`weave_compile.kernels.shared.shapes.rowwise_fits`.)
+    fewest warps, with the output copied out or left in the ring alike: ``E = 16`` was the fastest
+    whole op where measured (2 bf16 ranks; docs/performance.md, "Launch shapes"), and a shape
+    beyond the register file spills. For other ranks and dtypes the rule only keeps the shape in
+    the register file. (At 2 ranks and 2048 <= H <= 4096 the one-warp-per-row loop runs instead,
+    :func:`weave_compile.kernels.shared.shapes.rowwise_fits`.)
     """
     cap = 16
     block_h = next_pow2(hidden)
@@ -74,20 +71,18 @@ def push_meta(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
     """The push kernel's tile shape, grid, unrolling and add+norm loop.
 
     Copy phases: as many tiles per iteration as make ~64 KB in flight per CTA, held in
-    registers (no shared-memory staging: a 2-row x 4-stage ``tl.range`` copy measured slower
-    than 4 unpipelined rows on one H200).  Add+norm, where :func:`rowwise_fits` (2 ranks, 16-bit
-    inputs, 2048 <= H <= 4096) and every CTA gets at least 8 shard rows: one warp per row, no CTA
-    barrier (:func:`weave_compile.kernels.shared.rownorm.rowwise_group`; 8 warps, groups of 8
-    rows made of ``norm_unroll`` copy tiles, so each CTA keeps the rows the barriers pair; one
-    H200, H=4096, 8 CTAs: 85.7 GB/s per CTA against 77.7 for the register-prefetched tile, the
-    whole op 477 vs 502 us).  Elsewhere the next tile's inputs are loaded into registers while
-    this one is reduced and stored (``norm_prefetch``, shape from :func:`_prefetch_shape`: 16
-    warps, 1-row tiles at H=8192 for 2 bf16 ranks; the whole op 31% faster than the pipelined
-    loop at 8 CTAs, one H200); where no such shape fits the registers (many ranks with wide
-    dtypes), or ``num_warps`` is forced, the :func:`pipelined_meta` shape.  Never more tiles per
-    iteration than the shard gives a CTA.  The shape does not depend on where the normed output
-    goes (copied out or left in the ring): every rank compiles the same graph, and one shape won
-    both (one H200)."""
+    registers (no shared-memory staging, which measured slower).  Add+norm, where
+    :func:`rowwise_fits` (2 ranks, 16-bit inputs, 2048 <= H <= 4096) and every CTA gets at least
+    8 shard rows: one warp per row, no CTA barrier
+    (:func:`weave_compile.kernels.shared.rownorm.rowwise_group`; 8 warps, groups of 8 rows made
+    of ``norm_unroll`` copy tiles, so each CTA keeps the rows the barriers pair). Elsewhere the
+    next tile's inputs are loaded into registers while this one is reduced and stored
+    (``norm_prefetch``, shape from :func:`_prefetch_shape`); where no such shape fits the
+    registers (many ranks with wide dtypes), or ``num_warps`` is forced, the
+    :func:`pipelined_meta` shape. Each loop is the one that was fastest where both could run
+    (docs/performance.md, "Launch shapes"). Never more tiles per iteration than the shard gives a
+    CTA. The shape does not depend on where the normed output goes (copied out or left in the
+    ring): every rank compiles the same graph, and one shape won both."""
     if (num_warps is None and rowwise_fits(hidden, world_size - 1, in_bytes, res_bytes)
             and math.ceil(rows_per_rank / max(1, comm_ctas)) >= ROWWISE_WARPS):
         # (a CTA with fewer rows than warps would leave warps idle, each busy one walking its
@@ -96,7 +91,7 @@ def push_meta(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
                                                           max(1, min(8, 8192 // next_pow2(hidden))),
                                                           ROWWISE_WARPS)
         return LaunchMeta(block_h, block_rows, warps, grid, norm_unroll=ROWWISE_WARPS // block_rows,
-                          norm_chunk=ROWWISE_CHUNK, norm_depth=ROWWISE_DEPTH,
+                          norm_chunk=ROWWISE_CHUNK, norm_depth=PUSH_ROWWISE_DEPTH,
                           copy_unroll=_copy_unroll(block_h, block_rows, grid, rows_per_rank, in_bytes,
                                                    res_bytes))
     shape = None if num_warps is not None else _prefetch_shape(

@@ -33,9 +33,9 @@ from .shapes import ROWWISE_CHUNK, ROWWISE_WARPS, rowwise_fits
 
 log = logging.getLogger(__name__)
 
-#: Chunks loaded ahead in the one-warp-per-row loop: 8 (one H200, H=4096, 8 CTAs: 4 / 6 / 8 ahead
-#: moved 74.1 / 80.4 / 81.1 GB/s per CTA; no spills with a bias, a scale and a mid dtype).
-ROWWISE_DEPTH = 8
+#: Chunks the add+norm kernel's one-warp-per-row loop loads ahead: the most measured, which still
+#: fits the registers with a bias, a scale and a mid dtype (docs/performance.md, "Launch shapes").
+ADDNORM_ROWWISE_DEPTH = 8
 
 if HAS_TRITON:
     from .rownorm import (add_norm, norm_params, norm_tile, rowwise_first_loads, rowwise_group,
@@ -65,22 +65,20 @@ def launch_config(hidden: int, block_rows: Optional[int] = None, num_stages: Opt
 
     Default where :func:`weave_compile.kernels.shared.shapes.rowwise_fits` (one received
     partial, 16-bit inputs, 2048 <= H <= 4096, a 16-bit residual) and every CTA gets at least 8
-    rows: one warp per row (8 warps, 8-row blocks, 256-column chunks loaded 8 ahead;
-    :func:`weave_compile.kernels.shared.rownorm.rowwise_group`): on one H200 at 8 CTAs
-    (``bench_comm_ce.py``) 81.9 GB/s per CTA at H=4096 and 89.6 at 2048, against 73.7 and 54.5
-    for the register-prefetched tile.  Elsewhere the register-prefetched loop on an 8K-element
-    tile (2 rows at H=4096, 1 at 8192) with 16 warps, where two tiles of its inputs fit the
-    registers (:func:`weave_compile.kernels.shared.common.prefetch_fits`; 76.9 GB/s per CTA at
-    H=8192, 8 CTAs, one H200, against 61.1 for the best of 12 pipelined shapes); elsewhere the
-    pipelined loop on a 16K-element tile, 3 stages, 16 warps up to H=4096 and 8 above (that
-    sweep's best);
-    a pipelined shape that does not fit in shared memory is retried with fewer stages (launcher).
+    rows: one warp per row (8 warps, 8-row blocks, 256-column chunks loaded
+    :data:`ADDNORM_ROWWISE_DEPTH` ahead; :func:`weave_compile.kernels.shared.rownorm.rowwise_group`).
+    Elsewhere the register-prefetched loop on an 8K-element tile (2 rows at H=4096, 1 at 8192)
+    with 16 warps, where two tiles of its inputs fit the registers
+    (:func:`weave_compile.kernels.shared.common.prefetch_fits`); elsewhere the pipelined loop on
+    a 16K-element tile, 3 stages, 16 warps up to H=4096 and 8 above. Each is the fastest shape
+    measured where it runs (docs/performance.md, "Launch shapes"); a pipelined shape that does not
+    fit in shared memory is retried with fewer stages (launcher).
     """
     block_h = next_pow2(hidden)
     if ((block_rows, num_stages, num_warps, prefetch) == (None,) * 4
             and rowwise_fits(hidden, slots, elem_bytes, res_bytes or elem_bytes)
             and (rows_per_cta is None or rows_per_cta >= ROWWISE_WARPS)):
-        return LaunchConfig(ROWWISE_WARPS, 1, ROWWISE_WARPS, False, ROWWISE_CHUNK, ROWWISE_DEPTH)
+        return LaunchConfig(ROWWISE_WARPS, 1, ROWWISE_WARPS, False, ROWWISE_CHUNK, ADDNORM_ROWWISE_DEPTH)
     pf_rows = block_rows or max(1, min(8, 8192 // block_h))
     pf_warps = num_warps or max(1, min(16, pf_rows * block_h // 128))  # >= 4 elements per thread
     if prefetch is None:

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from weave_compile.config import TokenWeaveConfig
+from ..spec import DEFAULT_COMM_CTAS, MAX_CTAS  # noqa: F401  (defined with the op's arguments)
 
 try:  # Triton is optional: importing this package must work without it (tests skip).
     import triton
@@ -27,14 +27,12 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 VECTOR_BYTES = 16  # one 16-byte vector per access: 8 x 16-bit or 4 x fp32
 MAX_HIDDEN = 16384  # a whole row lives in registers
 MAX_WORLD_SIZE = 8  # one NVLink domain; also bounds the signal-pad footprint
-MAX_CTAS = 32  # signal slots reserved per channel: MAX_CTAS * world_size
+
 #: Output regions per workspace. Slot 0 is every copying launch's output staging (the peers'
 #: [N, capacity / N] slots); slots 1.. are a ring the push kernel can leave its normed output
 #: in (``out_slot``), so nothing copies the peers' rows a second time. Two ring slots let the
 #: split's two halves alternate.
 OUT_RING_SLOTS = 3
-#: The backend option's default, so a direct call and a compiled graph use the same grid.
-DEFAULT_COMM_CTAS = TokenWeaveConfig.comm_ctas
 # Spin limit for the pad barriers (iterations per slot; 0 = wait forever).  When it
 # trips the kernel increments the workspace's status word and carries on (results of
 # that launch are garbage and the pads may be out of step: discard the workspace).

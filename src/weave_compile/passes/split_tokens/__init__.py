@@ -34,6 +34,7 @@ from weave_compile.ops import FUSED_OP, START_OP, WAIT_OP
 from weave_compile.report import SplitSummary
 
 from ..base import WeavePass
+from ..fuse_allreduce_rmsnorm import MODEL_SHARDED_KEY
 from ..graph_utils import is_call, named_args, val
 from .rewriter import Rewriter
 from .values import NotSplit, batch_split, prod
@@ -41,6 +42,14 @@ from .values import NotSplit, batch_split, prod
 log = logging.getLogger(__name__)
 
 __all__ = ["START_OP", "WAIT_OP", "SplitSummary", "SplitTokensPass"]
+
+#: Why a graph with sequence-parallel sites is not split. Each half's fused op would own 1/N of that
+#: half's rows on every rank, but the model's residual shard is one contiguous piece of every
+#: sequence per rank: a token half is not one shard per rank, and re-laying the residual out per
+#: half would add a copy and a collective at every site.
+SEQUENCE_PARALLEL_DECLINED = ("sequence-parallel sites: the model shards each sequence across the ranks, so a "
+                              "token half is not one shard per rank (re-laying the residual out per half would "
+                              "add a copy and a collective at every site)")
 
 
 class SplitTokensPass(WeavePass):
@@ -67,6 +76,8 @@ class SplitTokensPass(WeavePass):
     def _why_not(self, fused: list[fx.Node]) -> Optional[str]:
         if not fused:
             return "no fused AllReduce-RMSNorm site"
+        if any(n.meta.get(MODEL_SHARDED_KEY) for n in fused):
+            return SEQUENCE_PARALLEL_DECLINED
         x = val(named_args(fused[0])["x"])
         if x.dim() < 2:
             return "fused op input has no token dimension"

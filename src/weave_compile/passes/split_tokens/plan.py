@@ -88,8 +88,9 @@ def make_plan(rw: Rewriter) -> Plan:
     if rw.split_dim == 0 and isinstance(total, int):
         # Batch split: whole sequences per half, attention needs no rewrite.
         b = min(max(config.split_at, 1), total - 1) if config.split_at else total // 2
+        # "split a batch of 4 sequences at 2 (half)", as "split 41 tokens at 5" for tokens
         return Plan((b, total - b), total, f"a batch of {total} sequences",
-                    f"{b} sequences" + (" (forced)" if config.split_at else " (half)"))
+                    f"{b}" + (" (forced)" if config.split_at else " (half)"))
     if isinstance(total, int):
         layer, dtype = layer_shape(rw.graph, val(anchor), len(rw.fused))
         choice = smart_split.plan(total, layer, forced=config.split_at, cost=config.split_cost, device=rw.device,
