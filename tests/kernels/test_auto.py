@@ -162,7 +162,12 @@ def test_floor_rules(symm, tables):
     tables(FLOOR={(2, 4096): {1024: {"nccl": 0.9}, 4096: {"nccl": 1.01}}})
     takes, why = auto.floor_verdict(nccl, site(num_tokens=1024))
     assert not takes and "up to T=4096" in why
-    # A design not measured at a T does not win there.
+    # The floor measures all_reduce sites: a sequence-parallel site (reduce-scatter of the model's
+    # shard) keeps its plain graph, which already norms this rank's rows only.
+    tables(FLOOR=FLOOR)
+    takes, why = auto.floor_verdict(nccl, site(num_tokens=8192, sequence_parallel=True))
+    assert not takes and "no floor measured at sequence-parallel sites" in why
+        # A design not measured at a T does not win there.
     tables(FLOOR={(2, 4096): {1024: {"reference": 1.4}, 4096: {"nccl": 0.9}}})
     assert auto.floor_verdict(nccl, site(num_tokens=4096))[0]
     assert not auto.floor_verdict(nccl, site(num_tokens=1024))[0]

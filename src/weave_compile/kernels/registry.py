@@ -60,6 +60,9 @@ class Site:
     token_range: Optional[tuple[int, Optional[int]]] = None
     residual_in_dtype: Optional[torch.dtype] = None  # the residual input's (None: no residual)
     split: bool = False  # the token split will run on this graph
+    #: the site reduces with a reduce-scatter of the model's own sequence shard (sequence
+    #: parallelism): its plain graph already norms this rank's rows only
+    sequence_parallel: bool = False
     has_scale: bool = False
     eps_on_device: bool = False  # eps is a graph input living on the device
     out_in_place: bool = False  # outputs may stay in the symmetric output ring (option)

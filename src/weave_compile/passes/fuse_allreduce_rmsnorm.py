@@ -117,6 +117,7 @@ def site_of(m: SiteMatch, config: TokenWeaveConfig) -> kernels.Site:
         # Whether the split will run here (the split pass decides later; its threshold is known;
         # it leaves graphs with reduce-scatter sites alone).
         split=config.split and not m.collective.scatters and (rows is None or rows >= config.split_threshold),
+        sequence_parallel=m.collective.scatters,
         has_scale=m.scale is not None,
         eps_on_device=isinstance(eps, fx.Node) and val(eps).device.type != "cpu",
         out_in_place=config.output_in_place, comm_ctas=config.comm_ctas, terms=_terms(m))
