@@ -31,7 +31,13 @@ Timing: every variant is compiled for a T first, then timed in ``--rounds`` roun
 reversed every other round, median per variant (the GPU's speed drifts during a run); each timing
 is ``--repeats`` x CUDA events around ``--iters`` back-to-back calls of the compiled model, median
 per call, divided by the layer count. Writes ``results/sequence_parallel_<model>_<dims>.csv`` after
-every T, and a PNG of every variant over ``inductor``. Never enables NVLink multicast.
+every T, and a PNG of every variant over ``inductor``. ``--profile``: after timing a T, one more
+forward of each variant under torch.profiler, its busy / idle time and its top kernels printed
+(``kernel_timeline``): where a variant's time goes. Never enables NVLink multicast.
+
+The FX graph cache is off (``TORCHINDUCTOR_FX_GRAPH_CACHE=0``): a graph served from it skips the
+passes, and with ``fake_comm`` installed the same graph and options choose another design than
+without it.
 """
 
 from __future__ import annotations
@@ -43,7 +49,10 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "0"  # (module doc) before torch reads it
+os.environ["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "0"
 from common import Timer, meta as run_meta, pyplot, write_csv  # noqa: E402  (keeps NVLink multicast off)
+import kernel_timeline  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -134,6 +143,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="also profile one forward per variant and T")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
 
@@ -195,6 +205,14 @@ def main() -> None:
             print(f"T={t:6d} {variant:18s} {kernel:10s} {us / 1e3 / args.layers:.4f} ms/layer  "
                   f"{us / base:.3f}x inductor (rounds spread {spread:.3f})", flush=True)
         write_csv(path, rows, COLUMNS)
+        if args.profile:
+            for variant, c, _ in live:
+                with torch.no_grad():
+                    prof = kernel_timeline.profile_once(lambda: c(x), top=12)
+                print(f"profile T={t} {variant}: wall {prof['wall_us']:.0f} us, busy {prof['busy_us']:.0f}, "
+                      f"idle {prof['idle_us']:.0f}", flush=True)
+                for kind, name, us, n in prof["top"]:
+                    print(f"    {kind:9s} {us:9.1f} us  x{n:3d}  {name[:110]}", flush=True)
     plot(rows, path.replace(".csv", ".png"))
     print(f"wrote {path}", flush=True)
 

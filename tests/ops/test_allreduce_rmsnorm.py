@@ -207,8 +207,24 @@ def test_an_implementation_gets_every_argument_as_rows_and_spec_and_a_full_works
             kernels.registry.replace(real)
         assert len(fallback) == 1 and torch.equal(normed, torch.full((2, 3, 8), 3.0))  # the fallback's result
         assert "standin kernel fell back to reference: workspace too small" in caplog.text
+        # The split's start op runs beside the model's kernels: its spec says so (local kernels
+        # then keep to comm_ctas), the plain op's does not.
+        calls.clear()
+        mod._start(x, res, None, w, out_slot=2, **args)
+        assert [spec.beside_compute for _, spec in calls] == [True]
+        assert not spec.beside_compute
     finally:
         kernels.unregister("standin")
+
+
+def test_the_add_norm_grid_keeps_to_comm_ctas_only_beside_other_work():
+    from weave_compile.kernels import FusedSpec
+    from weave_compile.kernels.shared import addnorm
+
+    spec = FusedSpec(residual_dtype=torch.bfloat16, out_dtype=torch.bfloat16, comm_ctas=4)
+    assert addnorm.ctas_for(dataclasses.replace(spec, beside_compute=True), 4096) == 4
+    assert addnorm.ctas_for(spec, 4096) == 4096 // addnorm.ROWWISE_WARPS  # one row block per CTA
+    assert addnorm.ctas_for(spec, 3) == 1
 
 
 def test_the_symm_kernels_take_no_scale():

@@ -46,7 +46,7 @@ def fused_allreduce_rmsnorm_nccl(rows: Rows, spec: FusedSpec) -> tuple[torch.Ten
     addnorm.add_rmsnorm_rows(acc_in, None, residual, rows.bias, rows.weight,
                              None if rows.scale is None else rows.scale.reshape(1), normed_shard, res_shard,
                              n_valid=n_mine, eps=spec.eps, mid_dtype=spec.mid_dtype,
-                             weight_offset=spec.weight_offset, num_ctas=spec.comm_ctas)
+                             weight_offset=spec.weight_offset, num_ctas=addnorm.ctas_for(spec, S))
     normed = all_gather_rows(normed_shard, spec.group_name, world_size)[:T]
     if spec.residual_out_sharded:
         return normed, res_shard

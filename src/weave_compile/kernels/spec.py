@@ -27,7 +27,11 @@ class FusedSpec:
     """The op's non-tensor arguments. ``comm_ctas``: thread blocks the communication may occupy
     (the barrier kernels' signal-pad budget bounds it); ``out_slot`` >= 0: leave ``normed`` in
     that slot of the symmetric output ring (implementations that take it), -1: a fresh tensor.
-    ``group_name`` may be empty for a launch on a prepared (emulated) workspace."""
+    ``group_name`` may be empty for a launch on a prepared (emulated) workspace. ``beside_compute``:
+    the op runs on a second stream beside the model's own kernels (the split's start op), so a
+    local kernel of an implementation keeps to ``comm_ctas`` CTAs; otherwise nothing runs beside
+    it and a local kernel takes as many CTAs as its rows fill (a kernel of few CTAs alone is
+    slower than Inductor's own add+norm, docs/performance.md)."""
 
     residual_dtype: torch.dtype
     out_dtype: torch.dtype
@@ -39,6 +43,7 @@ class FusedSpec:
     residual_out_sharded: bool = False
     comm_ctas: int = DEFAULT_COMM_CTAS
     out_slot: int = -1
+    beside_compute: bool = False
 
     def __post_init__(self) -> None:
         for name in ("residual_dtype", "out_dtype"):

@@ -105,7 +105,11 @@ def bind(args: tuple, kwargs: dict) -> dict[str, Any]:
 
 def _fused(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """``(normed, residual_out)`` of ``all_reduce(x) (*scale) (+bias) (+residual) -> RMSNorm``; see module doc."""
-    a = bind(args, kwargs)
+    return _call(bind(args, kwargs), beside_compute=False)
+
+
+def _call(a: dict[str, Any], beside_compute: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op on its arguments by name; ``beside_compute``: it runs beside other work (the start op)."""
     impl = kernels.get(a["kernel"])  # ValueError naming the valid ones
     if a["scale"] is not None and not impl.takes_scale:
         raise ValueError(f"weave::allreduce_add_rmsnorm: kernel {impl.name!r} is one of those that take no scale "
@@ -116,7 +120,7 @@ def _fused(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     spec = FusedSpec(residual_dtype=a["residual_dtype"], out_dtype=a["out_dtype"], eps=eps,
                      group_name=a["group_name"], mid_dtype=a["mid_dtype"], weight_offset=a["weight_offset"],
                      residual_in_sharded=a["residual_in_sharded"], residual_out_sharded=a["residual_out_sharded"],
-                     comm_ctas=a["comm_ctas"], out_slot=a["out_slot"])
+                     comm_ctas=a["comm_ctas"], out_slot=a["out_slot"], beside_compute=beside_compute)
     rows = Rows.of(a["x"], a["residual"], a["bias"], a["weight"], a["scale"], eps_tensor)
     return rows.restore(*_run(impl, rows, spec), spec.residual_out_sharded)
 
@@ -175,14 +179,15 @@ def _start(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     synchronously (gloo is blocking) and the wait is a no-op. Its kernels run one at a time on
     the comm stream, so both halves share the workspace's channel 0.
     """
-    x = bind(args, kwargs)["x"]
+    a = bind(args, kwargs)
+    x = a["x"]
     if not x.is_cuda:
-        return _fused(*args, **kwargs)
+        return _call(a, beside_compute=True)
     from weave_compile import streams
 
     current = torch.cuda.current_stream(x.device)
     with torch.cuda.stream(streams.fork(x.device)):
-        normed, residual_out = _fused(*args, **kwargs)
+        normed, residual_out = _call(a, beside_compute=True)
     streams.mark_done(normed)
     # Allocated on the comm stream, freed by code on the current one: tell the allocator.
     normed.record_stream(current)

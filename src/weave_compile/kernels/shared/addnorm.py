@@ -96,6 +96,14 @@ def launch_config(hidden: int, block_rows: Optional[int] = None, num_stages: Opt
     return LaunchConfig(int(block_rows), int(num_stages), int(num_warps), bool(prefetch))
 
 
+def ctas_for(spec, rows: int) -> int:
+    """The add+norm's grid for ``rows`` rows of an op with :class:`~weave_compile.kernels.spec.FusedSpec`
+    ``spec``: its ``comm_ctas`` where it runs beside other work, else one CTA per group of
+    ``ROWWISE_WARPS`` rows, the one-warp-per-row loop's block (nothing runs beside it: the whole
+    device)."""
+    return spec.comm_ctas if spec.beside_compute else max(1, -(-rows // ROWWISE_WARPS))
+
+
 def check_hidden(hidden: int) -> Optional[str]:
     """Why ``hidden`` cannot run in the kernel, or None."""
     if hidden < 1 or hidden > MAX_HIDDEN:
