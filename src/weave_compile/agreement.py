@@ -17,8 +17,10 @@ collective runs and outside any CUDA-graph capture (a host-side exchange on the 
 group's store, no device work), decides with the peers (:mod:`weave_compile.consensus`) whether
 it runs rewritten, or, where the ranks disagree, every graph of the group runs with its
 collectives as written: the same Dynamo graph compiled without the passes, on demand, with one
-warning per group and the reason in ``explain()``. Where neither is safe it raises
-:class:`RankDisagreement`.
+warning per group and the reason in ``explain()``. After the group ran fused graphs it degrades
+the same way where every rank is held at such a first call (a second model whose graph differs on
+one rank): the graphs that ran fused keep running fused (:mod:`weave_compile.consensus` says why
+that is safe). Where neither is safe it raises :class:`RankDisagreement`.
 
 The whole group degrades, not only the differing sites: keeping a site fused needs every rank to
 fuse the same sites in the same execution order, which ranks whose graphs are cut differently
@@ -46,7 +48,8 @@ import torch.fx as fx
 from weave_compile import consensus
 from weave_compile.consensus import REMEDY, Decision, RankDisagreement, Ranks, digest
 
-__all__ = ["REMEDY", "Decision", "RankDisagreement", "check_at_first_call", "compiling", "digest", "merge", "plan"]
+__all__ = ["REMEDY", "Decision", "RankDisagreement", "check_at_first_call", "compiling", "digest",
+           "first_compile_of_frame", "merge", "plan"]
 
 log = logging.getLogger(__name__)
 
@@ -139,13 +142,14 @@ _warned: set[Ranks] = set()
 def check_at_first_call(compiled: Callable, plans: Sequence[Plan], *, timeout_s: float,
                         as_written: Optional[Callable[[], Callable]] = None,
                         written: Sequence[Plan] = (), on_degraded: Callable[[str], None] = lambda reason: None,
-                        what: str = "the graph") -> Callable:
+                        what: str = "the graph", strict: bool = False) -> Callable:
     """``compiled``, decided with the peers on its first call (nothing to check: ``compiled`` itself).
 
     ``as_written()`` compiles the same Dynamo graph without the passes; it runs instead of
     ``compiled`` when the group degrades (then ``on_degraded(reason)`` is called once).
     ``written``: the plans before the passes, to tell a degradable disagreement from one that
-    would fail as written too.
+    would fail as written too. ``strict``: the graph is its frame's first compile, not a
+    recompile (:func:`first_compile_of_frame`; :mod:`weave_compile.consensus` says what changes).
     """
     merged = {ranks: ops for ranks, ops in merge(plans).items() if len(ranks) > 1}
     if not merged:
@@ -162,7 +166,7 @@ def check_at_first_call(compiled: Callable, plans: Sequence[Plan], *, timeout_s:
             raise state["error"]
         try:
             # Unknown as-written lists (a cache entry without them) are empty: a prefix of any, so degradable.
-            decision = _verify(merged, {r: before.get(r, []) for r in merged}, what, timeout_s)
+            decision = _verify(merged, {r: before.get(r, []) for r in merged}, what, timeout_s, strict)
             fn = compiled if decision.fused else _degrade(decision, state["as_written"], boxed, what)
         except Exception as e:  # final for this graph: every later call raises the same
             state["error"] = e
@@ -205,14 +209,21 @@ def _degrade(decision: Decision, as_written: Optional[Callable[[], Callable]], b
     return lambda *args: fn(list(args))
 
 
-def _verify(merged: Plan, written: Plan, what: str, timeout_s: float) -> Decision:
+def first_compile_of_frame() -> bool:
+    """True unless Dynamo is recompiling a frame it compiled before (a guard failed): the compile
+    id's second number counts the frame's compiles."""
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    return compile_id is None or not getattr(compile_id, "frame_compile_id", 0)
+
+
+def _verify(merged: Plan, written: Plan, what: str, timeout_s: float, strict: bool = False) -> Decision:
     store = _default_store()
     timeout = store.timeout
     # The store's own timeout (the process group's) caps a wait that peers keep extending by compiling.
     cap_s = max(timeout_s, timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout))
     start = time.monotonic()
     decision = consensus.agree(store, dist.get_rank(), {r: (merged[r], written[r]) for r in merged},
-                               timeout_s, what, cap_s)
+                               timeout_s, what, cap_s, strict)
     log.info("tokenweave: %s, %d group(s): %s (decided in %.3f s)", what, len(merged),
              "fused" if decision.fused else "as written", time.monotonic() - start)
     return decision

@@ -54,6 +54,7 @@ def tokenweave_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
         merged = merge_sibling_linears(gm, example_inputs, min_rows=config.split_threshold)
         passes.projections = merged.describe()
     as_written = _as_written(gm, example_inputs, config, inductor_patches)
+    strict = agreement.first_compile_of_frame()
     with agreement.compiling():
         compiled = _compile(gm, example_inputs, config, passes, inductor_patches)
     if merged is not None:
@@ -65,7 +66,7 @@ def tokenweave_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
     return agreement.check_at_first_call(
         compiled, passes.comm_plans, written=passes.written_plans, timeout_s=config.agreement_timeout_s,
         as_written=as_written, on_degraded=lambda reason: report_mod.mark_as_written(reports, reason),
-        what=f"graph {reports[0].graph_id}" if reports else "the graph")
+        what=f"graph {reports[0].graph_id}" if reports else "the graph", strict=strict)
 
 
 # Dynamo resolves backend="tokenweave" (importing this module) before it traces: from here on, the

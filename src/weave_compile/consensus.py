@@ -9,23 +9,44 @@ every rank reads the same one, and every move is final:
 - open -> ``degraded``: two ranks each wait for communication the other never compiled, or a
   peer does not arrive within the timeout (it runs that code eagerly, or skipped it). Every graph
   of the group then runs with its collectives as written, on every rank, without waiting.
+- ``fused`` -> ``degraded``: after fused graphs ran, every rank of the group waits at the first
+  call of a graph for communication that some rank will not reach (the ranks compiled different
+  graphs for the same point of their programs: a second model in which one rank alone stores a
+  statistic). The graphs that ran fused keep running fused; these graphs, and every graph compiled
+  later whose communication did not run fused, run with their collectives as written.
 - open or ``fused`` -> ``failed``: the collectives differ even as written (neither rank's list is
   a prefix of the other's: inputs of other shapes per rank, which fail under plain Inductor too),
-  or a disagreement or a missing peer once the group ran fused graphs. Every rank of the group
+  or, once the group ran fused graphs, a peer that does not arrive. Every rank of the group
   raises :class:`RankDisagreement`, now or at its next check.
 
-Why this is safe: ``degraded`` is entered only from open, so no rank ever ran a fused graph of a
-degraded group, and each rank's whole stream of that group's collectives is the one written
-(plain Inductor's, which match one-to-one in execution order however the graphs are cut). A
-graph runs fused only once every peer confirmed the same rewritten communication. What cannot
-degrade is a divergence after fused graphs ran: a peer that no longer checks (it runs an agreed
-graph) may be inside a fused collective at that moment, and falling back alone would pair an
-all_reduce with its reduce-scatter.
+Why this is safe: a graph runs fused only once every peer confirmed the same rewritten
+communication. ``degraded`` is entered from open, where no rank ever ran a fused graph of the
+group, so each rank's whole stream of the group's collectives is the one written (plain
+Inductor's, which match one-to-one in execution order however the graphs are cut); or from
+``fused`` only while every rank of the group is held at a check (none inside a collective, none
+able to go on without the others), so the graphs being decided are at the same point of every
+rank's program and all of them run as written, and from then on a graph's communication decides:
+one that ran fused runs fused (a rank-local recompile of an agreed graph), the others as written.
+What cannot degrade is a divergence while a peer does not check: it runs an agreed graph (maybe
+inside a fused collective now), and falling back alone would pair an all_reduce with its
+reduce-scatter. So is a rank-local recompile whose communication ran both fused and as written
+(it cannot tell which of its peers' graphs it pairs with).
+
+Checks at the first compile of a frame (``strict``) also count their visits per communication
+(``visit/<digest>/<rank>``): once fused graphs ran, such a check waits until every peer reached
+the same communication as often, not only once. A second model whose graph on one rank
+communicates exactly as an agreed graph of the first model must not run fused while its peer
+reaches a different graph for the same point. A recompile of a known frame (a guard that failed
+on one rank only) is not strict: its communication, if it ran fused, runs fused at once.
 
 Store keys, under ``weave_agreement/<ranks>/``: ``mode``; ``ops/<digest>`` and
 ``written/<digest>`` (the communication after and before the passes, to name a difference);
 ``has/<digest>/<rank>`` (compiled it); ``ready/<digest>/<rank>`` (compiled it and every other
-group of the graph agreed); ``wait/<rank>`` (the digest the rank waits on now, "" when not).
+group of the graph agreed); ``wait/<rank>`` (``<digest>@<visit>#<check>``: what the rank waits on
+now, the visit for a strict check, its check number; "" when not waiting); ``checks/<rank>`` (the
+rank's checks so far); ``visit/<digest>/<rank>`` (strict checks of it so far); ``held/<rank>/<check>``
+(a peer found every rank held, this check included: it runs as written, the value says why);
+``ran/<digest>`` (it ran fused); ``deg/<digest>`` (it ran fused and was also run as written).
 ``weave_agreement/compiling/<rank>`` is "1" while the rank compiles: a peer waiting for it does
 not time out meanwhile.
 """
@@ -70,15 +91,16 @@ def digest(ops: list[str]) -> str:
 
 
 def agree(store, me: int, plans: dict[Ranks, tuple[list[str], list[str]]], timeout_s: float,
-          what: str = "a graph", cap_s: Optional[float] = None) -> Decision:
+          what: str = "a graph", cap_s: Optional[float] = None, strict: bool = False) -> Decision:
     """Decide with the peers of every group in ``plans`` how this rank's graph runs.
 
     ``plans[ranks] = (ops, written)``: the graph's communication over that group after and
     before the passes. Waits ``timeout_s`` for missing peers, restarted while they compile, at
-    most ``cap_s`` (default ``timeout_s``) in all. Raises :class:`RankDisagreement` where the
-    graph can run neither rewritten nor as written.
+    most ``cap_s`` (default ``timeout_s``) in all. ``strict``: the graph is its frame's first
+    compile (module doc). Raises :class:`RankDisagreement` where the graph can run neither
+    rewritten nor as written.
     """
-    groups = [_Group(store, ranks, me, ops, written, what) for ranks, (ops, written) in sorted(plans.items())]
+    groups = [_Group(store, ranks, me, ops, written, what, strict) for ranks, (ops, written) in sorted(plans.items())]
     start = time.monotonic()
     try:
         # Publish for every group before waiting on any: a graph over two groups (a 2-D mesh) never
@@ -101,6 +123,7 @@ class _Outcome:
     kind: str  # DEGRADED (the group already is) | "disagree" | "absent" | "unsafe"
     detail: str  # why, in a few words (``explain()``, the warning); the whole message if "unsafe"
     sides: str = ""  # what each rank compiled, for an error message
+    from_fused: bool = False  # "disagree" with every rank held at a check after fused graphs ran
 
 
 def _wait_all(groups: list[_Group], stage: str, start: float, timeout_s: float, cap_s: float) -> Optional[_Outcome]:
@@ -129,13 +152,17 @@ def _wait_all(groups: list[_Group], stage: str, start: float, timeout_s: float, 
 class _Group:
     """One group's side of one graph's check."""
 
-    def __init__(self, store, ranks: Ranks, me: int, ops: list[str], written: list[str], what: str):
+    def __init__(self, store, ranks: Ranks, me: int, ops: list[str], written: list[str], what: str,
+                 strict: bool = False):
         self.root = store
         self.store = dist.PrefixStore(PREFIX + "-".join(map(str, ranks)) + "/", store)
         self.ranks, self.me, self.what = ranks, me, what
         self.peers = [r for r in ranks if r != me]
         self.ops, self.written = ops, written
         self.digest, self.summary = digest(ops), _summary(ops)
+        self.strict = strict
+        self.visit: Optional[int] = None  # this check's visit of the digest (strict checks)
+        self.seq = 0  # this rank's check number on the group (names this check in held/)
 
     def mode(self) -> tuple[str, str]:
         """(state, detail): state "" (open), ``fused``, ``degraded`` or ``failed``."""
@@ -144,11 +171,12 @@ class _Group:
         state, _, detail = self.store.get("mode").decode().partition("\n")
         return state, detail
 
-    def settle(self, target: str, detail: str) -> tuple[str, str]:
-        """Move the mode from open to ``target`` (to ``failed`` also from ``fused``); the mode it then has."""
+    def settle(self, target: str, detail: str, from_fused: bool = False) -> tuple[str, str]:
+        """Move the mode from open to ``target`` (to ``failed`` also from ``fused``, to ``degraded``
+        from ``fused`` where ``from_fused``); the mode it then has."""
         value = f"{target}\n{detail}"
         now = self.store.compare_set("mode", "", value).decode()
-        if target == FAILED and now.partition("\n")[0] == FUSED:
+        if now.partition("\n")[0] == FUSED and (target == FAILED or (target == DEGRADED and from_fused)):
             self.store.compare_set("mode", now, value)
         return self.mode()
 
@@ -159,18 +187,88 @@ class _Group:
         self.store.set(f"ops/{self.digest}", "\n".join(self.ops))
         self.store.set(f"written/{self.digest}", "\n".join(self.written))
         self.store.set(f"has/{self.digest}/{self.me}", f"{self.what}: {self.summary}")
-        self.store.set(f"wait/{self.me}", self.digest)
+        if self.strict:
+            self.visit = int(self.store.add(f"visit/{self.digest}/{self.me}", 1))
+        self.seq = int(self.store.add(f"checks/{self.me}", 1))
+        self.store.set(f"wait/{self.me}", f"{self.digest}@{self.visit or ''}#{self.seq}")
+
+    def ran(self, d: Optional[str] = None) -> bool:
+        """The communication ``d`` (default: this graph's) ran fused on this group."""
+        return self.store.check([f"ran/{d or self.digest}"])
+
+    def mark(self, fused: bool) -> None:
+        """Record how this graph's communication runs (``ran/``; ``deg/`` where it ran both ways)."""
+        if fused:
+            self.store.set(f"ran/{self.digest}", "1")
+        elif self.ran():
+            self.store.set(f"deg/{self.digest}", "1")
 
     def poll(self, stage: str) -> tuple[Optional[_Outcome], list[int]]:
         """(an outcome that ends the wait, or None; the peers that have not published ``stage`` yet)."""
         state, detail = self.mode()
         if state == FAILED:
             raise self.failed_error()
-        if state == DEGRADED:
+        if state == DEGRADED and not self.ran():
             return _Outcome(DEGRADED, detail), []
         missing = [p for p in self.peers if not self.store.check([f"{stage}/{self.digest}/{p}"])]
-        differing = [(p, theirs) for p in missing if (theirs := self._deadlocked_with(p))]
-        return (self._disagreement(differing) if differing else None), missing
+        if state == "":
+            differing = [(p, theirs) for p in missing if (theirs := self._deadlocked_with(p))]
+            return (self._disagreement(differing) if differing else None), missing
+        # Fused graphs ran on this group: a strict check waits for every peer's same visit, and the
+        # group degrades only while every rank is held at a check (module doc).
+        held = f"held/{self.me}/{self.seq}"
+        if self.store.check([held]):  # a peer found every rank held, this check included
+            return _Outcome("disagree", self.store.get(held).decode(), from_fused=True), missing
+        if not self.strict and self.store.check([f"deg/{self.digest}"]):
+            return _Outcome("unsafe", self._ambiguous()), missing
+        if stage == "has" and self.visit is not None:
+            missing += [p for p in self.peers if p not in missing and self._visits(self.digest, p) < self.visit]
+        checks = self._all_held() if missing else None
+        if checks:
+            differing = [(p, d) for p in self.peers if (d := self._waiting(p)[0]) and d != self.digest]
+            if differing:
+                outcome = self._disagreement(differing, from_fused=True)
+                if outcome.kind != "unsafe":
+                    # Every held rank leaves with this decision, also once this one has left its check.
+                    for r, seq in checks:
+                        self.store.set(f"held/{r}/{seq}", outcome.detail)
+                return outcome, missing
+        return None, missing
+
+    def _waiting(self, p: int) -> tuple[str, Optional[int], int]:
+        """(the digest ``p`` waits on, "" when none; its visit for a strict check; its check number)."""
+        if p == self.me:
+            return self.digest, self.visit, self.seq
+        value = self.store.get(f"wait/{p}").decode() if self.store.check([f"wait/{p}"]) else ""
+        value, _, seq = value.partition("#")
+        d, _, k = value.partition("@")
+        return d, int(k) if k else None, int(seq) if seq else 0
+
+    def _visits(self, d: str, p: int) -> int:
+        key = f"visit/{d}/{p}"
+        return int(self.store.get(key)) if self.store.check([key]) else 0
+
+    def _all_held(self) -> Optional[list[tuple[int, int]]]:
+        """``[(rank, its check number)]`` if every rank of the group waits at a check that cannot
+        pass (its communication lacks some rank's compile or visit, and every rank is waiting: none
+        will publish without a decision), else None."""
+        checks = []
+        for r in self.ranks:
+            d, k, seq = self._waiting(r)
+            if not d:
+                return None
+            done = all(self.store.check([f"has/{d}/{q}"]) for q in self.ranks)
+            if done and (k is None or all(self._visits(d, q) >= k for q in self.ranks)):
+                return None
+            checks.append((r, seq))
+        return checks
+
+    def _ambiguous(self) -> str:
+        return (f"tokenweave: rank {self.me} recompiled {self.what} (a guard failed on this rank), whose "
+                f"communication over process group {list(self.ranks)} ran fused in one graph and as written in "
+                f"another after the ranks disagreed, so it cannot tell which of its peers' graphs it pairs "
+                f"with. Stopped before {self.what} ran any collective. Rank {self.me} has {self.summary}. "
+                + REMEDY)
 
     def confirmed(self) -> bool:
         """Every peer compiled this communication and every other group of its graph agreed."""
@@ -179,12 +277,12 @@ class _Group:
     def _deadlocked_with(self, p: int) -> str:
         """The digest ``p`` waits for if neither can progress: ``p`` waits for communication this rank
         never compiled, this rank for one ``p`` never compiled, and neither publishes while waiting."""
-        theirs = self.store.get(f"wait/{p}").decode() if self.store.check([f"wait/{p}"]) else ""
+        theirs = self._waiting(p)[0]
         if theirs and theirs != self.digest and not self.store.check([f"has/{theirs}/{self.me}"]):
             return theirs
         return ""
 
-    def _disagreement(self, differing: list[tuple[int, str]]) -> _Outcome:
+    def _disagreement(self, differing: list[tuple[int, str]], from_fused: bool = False) -> _Outcome:
         peers = [(q, self._get(f"has/{d}/{q}") or f"digest {d}", self._lines(f"ops/{d}"), self._lines(f"written/{d}"))
                  for q, d in differing]
         counts = ", ".join([f"rank {self.me} {self.what}: {len(self.ops)}"]
@@ -199,8 +297,11 @@ class _Group:
                     f"fail there too: gloo aborts, NCCL hangs). Stopped before {self.what} ran any collective. "
                     f"As written, {first_difference(self.me, self.written, q, written)}. {sides}. " + REMEDY))
         p, _, theirs, _ = peers[0]
+        after = ("; the group had run fused graphs: those keep running fused, these and the graphs compiled "
+                 "from now on run their collectives as written unless they communicate as one that ran fused"
+                 if from_fused else "")
         return _Outcome("disagree", f"its ranks compiled different graphs ({counts} communication op(s)); "
-                                    f"{first_difference(self.me, self.ops, p, theirs)}", sides)
+                                    f"{first_difference(self.me, self.ops, p, theirs)}{after}", sides, from_fused)
 
     def absent(self, missing: list[int], stage: str, timeout_s: float) -> _Outcome:
         what = ("did not reach a graph with the same communication as" if stage == "has" else
@@ -227,13 +328,23 @@ class _Group:
 def _decide(groups: list[_Group], outcome: Optional[_Outcome], what: str) -> Decision:
     """Every group of the graph to one final mode, or :class:`RankDisagreement`."""
     target = FUSED if outcome is None else FAILED if outcome.kind == "unsafe" else DEGRADED
-    modes = [g.settle(target, outcome.detail if outcome else "") for g in groups]
+    from_fused = outcome is not None and outcome.from_fused
+    modes = [g.settle(target, outcome.detail if outcome else "", from_fused) for g in groups]
     states = [state for state, _ in modes]
+    # A group that degraded after fused graphs ran still runs fused what ran fused (module doc).
+    effective = [FUSED if s == DEGRADED and target == FUSED and g.ran() else s for g, s in zip(groups, states)]
     # Fused also where this rank gave up waiting just as the last peer confirmed and another rank
     # settled the group fused: every peer confirmed this very communication.
-    if all(s == FUSED for s in states) and (target == FUSED or all(g.confirmed() for g in groups)):
+    if all(s == FUSED for s in effective) and (target == FUSED or all(g.confirmed() for g in groups)):
+        for g in groups:
+            g.mark(fused=True)
         return Decision(fused=True)
-    if target != FAILED and all(s == DEGRADED for s in states):
+    # A peer that does not arrive may be running a graph that ran fused: not safe to fall back alone.
+    absent_after_fused = target == DEGRADED and outcome.kind == "absent" and any(
+        s == FUSED or g.ran() for g, s in zip(groups, states))
+    if target != FAILED and all(s == DEGRADED for s in states) and not absent_after_fused:
+        for g in groups:
+            g.mark(fused=False)
         reasons = tuple((g.ranks, d) for g, (_, d) in zip(groups, modes))
         return Decision(fused=False, reason="; ".join(f"process group {list(r)}: {d}" for r, d in reasons),
                         groups=reasons)
@@ -244,8 +355,9 @@ def _decide(groups: list[_Group], outcome: Optional[_Outcome], what: str) -> Dec
     earlier = next((g for g, s in zip(groups, states) if s == FAILED and target != FAILED), None)
     if target == FAILED:
         message = outcome.detail
-    elif target == DEGRADED and FUSED in states:
-        message = (f"tokenweave: process group {list(groups[states.index(FUSED)].ranks)}: {outcome.detail}. "
+    elif target == DEGRADED and (FUSED in states or absent_after_fused):
+        ran = groups[states.index(FUSED)] if FUSED in states else next(g for g in groups if g.ran())
+        message = (f"tokenweave: process group {list(ran.ranks)}: {outcome.detail}. "
                    f"The group already ran fused collectives, so its ranks cannot fall back to the "
                    f"collectives as written together (a peer may be inside a fused collective now). Stopped "
                    f"before {what} ran any collective. {outcome.sides}. " + REMEDY)

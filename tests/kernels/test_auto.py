@@ -1,6 +1,9 @@
-"""Which implementation a fused site gets, and the reason the report shows (kernels/auto.py).
+"""Which implementation a fused site gets, or whether it stays as written, and the reason the report
+shows (kernels/auto.py).
 
-The symmetric-memory probe is stood in for (no GPU here): the tests set what it finds.
+The symmetric-memory probe is stood in for (no GPU here): the tests set what it finds. Sites on a
+CUDA device are only descriptions (``kernels.Site``): the choice is made from them alone, so the
+GPU policy is tested here on CPU; ``tests/kernels/test_auto_gpu.py`` checks it on a real site.
 """
 
 import dataclasses
@@ -13,6 +16,7 @@ from weave_compile.kernels import auto, auto_table, registry
 from weave_compile.kernels.shared import probe
 
 CUDA = torch.device("cuda", 0)
+AS_WRITTEN = auto.AS_WRITTEN
 
 
 def site(**kw) -> kernels.Site:
@@ -36,147 +40,252 @@ def symm(monkeypatch):
     return state
 
 
+#: The floor as bench_floor.py measures it (nccl's ms per layer over plain Inductor's, worst of the
+#: architectures): slower at decode sizes, within noise at 1K, faster from 4K (the shape of the
+#: Llama-8B measurement that opened this policy; the numbers here are the test's).
+FLOOR = {(2, 4096): {1: {"nccl": 1.28}, 16: {"nccl": 1.14}, 128: {"nccl": 1.12}, 512: {"nccl": 1.05},
+                     1024: {"nccl": 0.99}, 4096: {"nccl": 0.90}, 8192: {"nccl": 0.88}, 16384: {"nccl": 0.87}}}
+
+
 @pytest.fixture
-def oneshot_ready():
-    """The one-shot kernel as auto would see it once its measurement across GPUs is recorded."""
-    old = registry.replace(dataclasses.replace(registry.get("oneshot"), auto_ready=True))
-    yield
-    registry.replace(old)
+def tables(monkeypatch):
+    """The measured tables as the test sets them (empty unless set): ``tables(TABLE=..., FLOOR=...)``."""
+    for name in ("TABLE", "INTERFERENCE", "FLOOR"):
+        monkeypatch.setattr(auto_table, name, {})
+    monkeypatch.setattr(auto_table, "FLOOR_SOURCE", "floor.csv (test)")
+    monkeypatch.setattr(auto_table, "SOURCE", "allreduce_rmsnorm.csv (test)")
+
+    def set_tables(**kw):
+        for name, value in kw.items():
+            monkeypatch.setattr(auto_table, name, value)
+
+    return set_tables
 
 
-def test_reference_when_requested_or_off_gpu():
+@pytest.fixture
+def ready(request):
+    """Designs as auto would see them once their measurement across GPUs is recorded."""
+    old = []
+
+    def make_ready(*names):
+        for name in names:
+            old.append(registry.replace(dataclasses.replace(registry.get(name), auto_ready=True)))
+
+    yield make_ready
+    for impl in old:
+        registry.replace(impl)
+
+
+def test_reference_when_requested_or_off_gpu(tables):
     assert auto.choose("reference", site()) == ("reference", "requested")
     kernel, why = auto.choose("auto", site(device=torch.device("cpu")))
     assert kernel == "reference" and "cpu tensors" in why
+    for forced in ("p2p", "nccl", "ce"):  # off GPUs every forced design falls back to reference
+        kernel, why = auto.choose(forced, site(device=torch.device("cpu")))
+        assert kernel == "reference" and forced in why and "cpu" in why
 
 
-def test_auto_takes_the_available_variant(symm, request):
-    # p2p capable, symbolic T: not one-shot; the measured table (world size 2) picks p2p.
-    kernel, why = auto.choose("auto", site())
-    assert kernel == "p2p" and why.startswith("auto: ") and "not oneshot: symbolic token count" in why
+def test_a_forced_implementation_that_cannot_run_on_a_gpu_gets_the_compiled_fallback_not_reference(symm, tables):
+    """The done-when case on CPU: a CUDA site whose forced design cannot run gets nccl where the floor
+    measured it faster at that T, the site as written where plain Inductor was, never reference."""
+    tables(FLOOR=FLOOR)
+    symm.update(variant="p2p", reason="no multicast pointer")
+    for t in (4096, 8192, 16384, 30000):
+        kernel, why = auto.choose("multimem", site(num_tokens=t))
+        assert kernel == "nccl", (t, why)
+        assert why.startswith("requested 'multimem' unavailable: no multicast pointer; GPU fallback nccl: ")
+        assert "of plain Inductor (wins from T=4096 on)" in why and "floor.csv (test)" in why
+    for t in (1, 16, 1024, 2048):
+        kernel, why = auto.choose("multimem", site(num_tokens=t))
+        assert kernel == AS_WRITTEN, (t, why)
+        assert "left as written: plain Inductor measured faster, or nccl less than 2% faster, at T<=1024" in why, why
+    assert "nccl 1.28x at T=1" in auto.choose("multimem", site(num_tokens=1))[1]
+    assert "nccl 1.05x at T=512" in auto.choose("multimem", site(num_tokens=600))[1]
+    # p2p forced where symmetric memory fails, and a design needing a package that is missing.
+    symm.update(variant=None, reason="symmetric memory unavailable for group g: no store")
+    assert auto.choose("p2p", site(num_tokens=8192))[0] == "nccl"
+    symm.update(variant="p2p", ce="cuda-python is not installed (test)")
+    kernel, why = auto.choose("ce", site(num_tokens=1))
+    assert kernel == AS_WRITTEN and "cuda-python" in why and "reference" not in why
+
+
+def test_without_a_floor_measurement_the_gpu_fallback_leaves_the_site_as_written(symm, tables):
+    symm.update(variant=None, reason="no symmetric memory on this group")
+    kernel, why = auto.choose("p2p", site(num_tokens=8192))
+    assert kernel == AS_WRITTEN
+    assert "no floor measured at world size 2" in why and "plain Inductor is kept" in why
+    tables(FLOOR=FLOOR)
+    kernel, why = auto.choose("p2p", site(hidden=16384, num_tokens=8192))  # H far from every measured one
+    assert kernel == AS_WRITTEN and "no floor measured near H=16384" in why
+
+
+def test_the_gpu_fallback_that_cannot_run_either_leaves_the_site_as_written(symm, tables):
+    tables(FLOOR=FLOOR)
+    # A device eps: only reference reads it there; no compiled implementation can run the site.
+    kernel, why = auto.choose("auto", site(num_tokens=8192, eps_on_device=True))
+    assert kernel == AS_WRITTEN and "eps is a device tensor" in why
+    assert "nccl, the GPU fallback, cannot run here either" in why
+    kernel, why = auto.choose("nccl", site(num_tokens=8192, dtype=torch.float64))
+    assert kernel == AS_WRITTEN and "not supported" in why
+
+
+def test_under_the_split_the_fallback_is_the_compiled_design(symm, tables):
+    """The split needs a fused op at the sites it splits: the GPU fallback, not the plain graph."""
+    symm.update(variant=None, reason="no symmetric memory")
+    kernel, why = auto.choose("auto", site(num_tokens=1024, split=True))
+    assert kernel == "nccl" and "the split needs a fused op" in why
+
+
+def test_floor_rules(symm, tables):
+    """From the crossover on, within twice the largest measured T; nothing below it, nothing unbounded."""
+    tables(FLOOR=FLOOR)
+    nccl = "nccl"
+    assert auto.floor_verdict(nccl, site(num_tokens=4096))[0]
+    assert auto.floor_verdict(nccl, site(num_tokens=3000))[0] is False  # between a loser (1024) and 4096
+    assert auto.floor_verdict(nccl, site(num_tokens=32768))[0]  # twice the largest measured
+    takes, why = auto.floor_verdict(nccl, site(num_tokens=40000))
+    assert not takes and "exceeds twice the largest measured T=16384" in why
+    # A symbolic T: its bounds from the shape environment decide; without them, the plain graph.
+    assert auto.floor_verdict(nccl, site(token_range=(4096, 16384)))[0]
+    takes, why = auto.floor_verdict(nccl, site(token_range=(2, None)))
+    assert not takes and "plain Inductor measured faster, or nccl less than 2% faster, at T<=1024" in why
+    takes, why = auto.floor_verdict(nccl, site(token_range=(4096, None)))
+    assert not takes and "unbounded" in why
+    takes, why = auto.floor_verdict(nccl, site())
+    assert not takes and "token count unknown at compile time" in why
+    # Within MIN_GAIN of plain Inductor is not faster; a loss above a win moves the crossover up.
+    tables(FLOOR={(2, 4096): {1024: {"nccl": 0.99}, 4096: {"nccl": 0.985}, 8192: {"nccl": 0.97}}})
+    assert not auto.floor_verdict(nccl, site(num_tokens=4096))[0]
+    assert auto.floor_verdict(nccl, site(num_tokens=8192))[0]
+    tables(FLOOR={(2, 4096): {1024: {"nccl": 0.9}, 4096: {"nccl": 1.01}, 8192: {"nccl": 0.9}}})
+    assert not auto.floor_verdict(nccl, site(num_tokens=1024))[0]
+    tables(FLOOR={(2, 4096): {1024: {"nccl": 0.9}, 4096: {"nccl": 1.01}}})
+    takes, why = auto.floor_verdict(nccl, site(num_tokens=1024))
+    assert not takes and "up to T=4096" in why
+    # The floor measures all_reduce sites: a sequence-parallel site (reduce-scatter of the model's
+    # shard) keeps its plain graph, which already norms this rank's rows only.
+    tables(FLOOR=FLOOR)
+    takes, why = auto.floor_verdict(nccl, site(num_tokens=8192, sequence_parallel=True))
+    assert not takes and "no floor measured at sequence-parallel sites" in why
+        # A design not measured at a T does not win there.
+    tables(FLOOR={(2, 4096): {1024: {"reference": 1.4}, 4096: {"nccl": 0.9}}})
+    assert auto.floor_verdict(nccl, site(num_tokens=4096))[0]
+    assert not auto.floor_verdict(nccl, site(num_tokens=1024))[0]
+
+
+def test_auto_on_a_gpu_without_measurements_leaves_sites_as_written(symm, tables):
+    """p2p can run, but nothing measured it on today's kernels: auto prefers no design over the plain graph."""
+    kernel, why = auto.choose("auto", site(num_tokens=4096))
+    assert kernel == AS_WRITTEN and why.startswith("auto: nothing measured at world size 2 (unsplit)")
+    assert "not oneshot" in why and "no floor measured" in why
+    tables(FLOOR=FLOOR)
+    kernel, why = auto.choose("auto", site(num_tokens=4096))
+    assert kernel == "nccl" and "GPU fallback nccl" in why
+    assert auto.choose("auto", site(num_tokens=16))[0] == AS_WRITTEN
+
+
+def test_auto_takes_a_design_measured_across_gpus_only_against_the_plain_graph(symm, tables):
+    tables(TABLE={(2, False): {1024: {"p2p": 80.0, AS_WRITTEN: 70.0}, 4096: {"p2p": 270.0, AS_WRITTEN: 300.0}}},
+           FLOOR=FLOOR)
+    kernel, why = auto.choose("auto", site(num_tokens=4096))
+    assert kernel == "p2p" and "fastest measured at world size 2, unsplit, T=4096" in why
+    assert "as written 300.0 us" in why and "allreduce_rmsnorm.csv (test)" in why
+    kernel, why = auto.choose("auto", site(num_tokens=1024))
+    assert kernel == AS_WRITTEN and "fastest measured" in why and "p2p 80.0 us" in why
+    # Outside the measured range, or p2p unavailable: the fallback decides.
+    kernel, why = auto.choose("auto", site(num_tokens=40000))
+    assert kernel == AS_WRITTEN and "outside the measured range" in why
+    symm.update(variant=None, reason="no symmetric memory")
+    kernel, why = auto.choose("auto", site(num_tokens=4096))
+    assert kernel == "nccl" and "no symmetric memory" in why
+    # Unknown T: no design wins at every measured T, so the fallback decides.
+    symm.update(variant="p2p", reason="ok")
+    assert auto.choose("auto", site())[0] == AS_WRITTEN
+
+
+def test_designs_wait_for_their_measurement_across_gpus(symm, tables, ready):
     # A small static T fits the one-shot kernel, but auto waits for its measurement across GPUs ...
     kernel, why = auto.choose("auto", site(num_tokens=64))
-    assert kernel == "p2p" and "auto waits for its measurement across GPUs" in why
-    # ... and takes it once that is recorded.
-    request.getfixturevalue("oneshot_ready")
+    assert kernel == AS_WRITTEN and "auto waits for its measurement across GPUs" in why
+    # ... and where multicast exists, multimem too.
+    symm.update(variant="multimem", reason="multicast pointer present")
+    kernel, why = auto.choose("auto", site(num_tokens=64))
+    assert kernel == AS_WRITTEN and "not multimem" in why and "force kernel='multimem'" in why
+    # Once recorded, they are taken (best rank first).
+    ready("oneshot", "multimem")
+    assert auto.choose("auto", site()) == ("multimem", "auto: multicast pointer present")
+    symm.update(variant="p2p", reason="ok")
     kernel, why = auto.choose("auto", site(num_tokens=64))
     assert kernel == "oneshot" and why.startswith("auto: ") and "crossover" in why
-    symm.update(variant="multimem", reason="multicast pointer present")
-    assert auto.choose("auto", site()) == ("multimem", "auto: multicast pointer present")
 
 
-def test_forced_kernels(symm):
+def test_forced_kernels(symm, tables):
     assert auto.choose("p2p", site()) == ("p2p", "requested")
+    assert auto.choose("nccl", site()) == ("nccl", "requested")
     symm.update(variant="multimem")
-    assert auto.choose("p2p", site()) == ("p2p", "requested (multimem also available)")
-    symm.update(variant="p2p", reason="no multicast pointer")
-    kernel, why = auto.choose("multimem", site())
-    assert kernel == "reference" and why == "requested 'multimem' unavailable: no multicast pointer"
+    assert auto.choose("p2p", site()) == ("p2p", "requested")  # multimem not ready: not "also available"
 
 
-def test_a_hidden_size_or_dtype_the_kernels_cannot_take_falls_back_with_its_reason(symm):
+def test_a_hidden_size_or_dtype_the_kernels_cannot_take(symm, tables):
     symm.update(hidden_problem="hidden size 4100 is not a multiple of 16 bytes")
-    for requested in ("auto", "p2p"):
-        kernel, why = auto.choose(requested, site(hidden=4100))
-        assert kernel == "reference" and "not a multiple of 16 bytes" in why
-    symm.update(variant=None, reason="no symmetric memory on this group", hidden_problem="")
-    assert auto.choose("auto", site()) == ("reference", "no symmetric memory on this group")
+    kernel, why = auto.choose("p2p", site(hidden=4100))
+    assert kernel == AS_WRITTEN and "not a multiple of 16 bytes" in why and "no floor measured" in why
+    tables(FLOOR=FLOOR)  # nccl takes any H up to its limit: the floor decides
+    assert auto.choose("p2p", site(hidden=4100, num_tokens=8192))[0] == "nccl"
 
 
-def test_what_an_implementation_takes_decides_before_its_check(symm):
-    """A scale or an eps on the device goes only where it is taken; nothing else is probed. Of
-    auto's candidates only ce takes a scale: where it runs, a scaled site gets it by capability."""
-    kernel, why = auto.choose("auto", site(has_scale=True))
-    assert kernel == "ce" and "by capability" in why
-    symm.update(ce="cuda-python is not installed (test)")
-    kernel, why = auto.choose("auto", site(has_scale=True))
-    assert kernel == "reference" and why == ("scaled site: only reference, ce, nccl take a scale; "
-                                             "cuda-python is not installed (test)")
-    kernel, why = auto.choose("p2p", site(has_scale=True))
-    assert kernel == "reference" and why.startswith("requested 'p2p' unavailable: scaled site")
-    kernel, why = auto.choose("auto", site(eps_on_device=True))
-    assert kernel == "reference" and "eps is a device tensor" in why
+def test_what_an_implementation_takes_decides_before_its_check(symm, tables):
+    """A scale or an eps on the device goes only where it is taken; nothing else is probed."""
+    tables(FLOOR=FLOOR)
+    kernel, why = auto.choose("p2p", site(has_scale=True, num_tokens=8192))
+    assert kernel == "nccl" and why.startswith("requested 'p2p' unavailable: scaled site: only reference, ce, nccl")
+    assert auto.choose("nccl", site(has_scale=True)) == ("nccl", "requested")
     symm.update(variant=None, reason="probe must not decide this")
-    assert "probe" not in auto.choose("auto", site(has_scale=True))[1]
+    assert "probe" not in auto.choose("p2p", site(has_scale=True))[1]
 
 
 def test_kernel_names():
     assert kernels.names() == ("reference", "p2p", "multimem", "oneshot", "ce", "nccl")
+    assert kernels.fallback().name == "reference" and kernels.gpu_fallback().name == "nccl"
 
 
-# ----------------------------------------------------------------------------- ce and nccl (forced only)
+def test_the_runtime_fallback_on_cuda_tensors_is_compiled_work():
+    assert auto.runtime_fallback(CUDA).name == "nccl"
+    assert auto.runtime_fallback(torch.device("cpu")).name == "reference"
+    gpu = registry.unregister("nccl")
+    try:
+        with pytest.raises(RuntimeError, match="does not run on CUDA tensors unless forced"):
+            auto.runtime_fallback(CUDA)
+    finally:
+        registry.register(gpu)
 
 
-BF16 = (torch.bfloat16,) * 3
-
-
-def test_forced_on_cpu_falls_back_with_reason():
-    for k in ("ce", "nccl"):
-        kernel, why = auto.choose(k, site(device=torch.device("cpu")))
-        assert kernel == "reference" and k in why and "cpu" in why
-
-
-def test_forced_ce_without_cuda_python_says_so(monkeypatch):
+def test_forced_ce_without_cuda_python_says_so(monkeypatch, tables):
     from weave_compile.kernels.ce import copy_engine
     from weave_compile.kernels.shared import addnorm
 
     monkeypatch.setattr(copy_engine, "unavailable_reason", lambda: "cuda-python is not installed (test)")
     monkeypatch.setattr(addnorm, "unavailable_reason", lambda *a: None)
     kernel, why = auto.choose("ce", site())
-    assert kernel == "reference" and "cuda-python" in why
+    assert kernel == AS_WRITTEN and "cuda-python" in why
 
 
-def test_hidden_too_large_is_refused(monkeypatch):
+def test_hidden_too_large_is_refused(monkeypatch, tables):
     from weave_compile.kernels.shared import addnorm
 
     monkeypatch.setattr(addnorm, "HAS_TRITON", True)
     kernel, why = auto.choose("nccl", site(hidden=1 << 15))
-    assert kernel == "reference" and "hidden" in why
+    assert kernel == AS_WRITTEN and "hidden" in why
 
 
-def test_a_forced_implementation_that_takes_a_scale_runs_a_scaled_site(monkeypatch):
-    from weave_compile.kernels.shared import addnorm
-
-    monkeypatch.setattr(addnorm, "unavailable_reason", lambda *a: None)
-    assert auto.choose("nccl", site(has_scale=True)) == ("nccl", "requested")
-
-
-# ----------------------------------------------------------------------------- the measured table
-
-
-def test_auto_picks_only_measured_designs(symm):
-    p2p, multimem = registry.get("p2p"), registry.get("multimem")
-    # Measured: world 2, unsplit and split, p2p. Each pick names its source row.
-    k, why = auto.from_table([p2p], site(num_tokens=2500))
-    assert k == "p2p" and "nearest measured T=2048" in why and "2x H200" in why
-    k, why = auto.from_table([p2p], site(num_tokens=5000, split=True))
-    assert k == "p2p" and "split" in why
-    # Multimem can run here but was never measured: the table does not pick it.
-    k, _ = auto.from_table([multimem, p2p], site(num_tokens=4096))
-    assert k == "p2p"
-    k, why = auto.from_table([multimem], site(num_tokens=4096))
-    assert k is None and "none of them can run here" in why
-    # Unmeasured world size or size: the capability order's pick, and the reason says it is not measured.
-    k, why = auto.choose("auto", site(world_size=8, num_tokens=4096))
-    assert k == "p2p" and "world size 8" in why and "by capability" in why
-    k, why = auto.choose("auto", site(num_tokens=40))
-    assert k == "p2p" and "outside the measured range" in why and "by capability" in why
-    # Nothing that can run: reference.
-    symm.update(variant=None, reason="no symmetric memory")
-    k, why = auto.choose("auto", site(num_tokens=4096))
-    assert k == "reference" and "no symmetric memory" in why
-    symm.update(variant="p2p", reason="ok")
-    # Unknown T at compile time: the design that won at every measured T.
-    k, why = auto.choose("auto", site())
-    assert k == "p2p" and "unknown" in why
-
-
-def test_table_rows_are_positive_times_of_selectable_kernels():
-    assert auto_table.TABLE
+def test_table_rows_are_positive_times_of_selectable_kernels_or_the_plain_graph():
     for (world, split), rows in auto_table.TABLE.items():
         assert world >= 2 and isinstance(split, bool)
         for t, row in rows.items():
-            assert t > 0 and row and all(d in kernels.names() and us > 0 for d, us in row.items())
+            assert t > 0 and row and all((d in kernels.names() or d == AS_WRITTEN) and us > 0 for d, us in row.items())
+    for (world, hidden), rows in auto_table.FLOOR.items():
+        assert world >= 2 and hidden > 0
+        assert all(t > 0 and all(d in kernels.names() and r > 0 for d, r in row.items()) for t, row in rows.items())
 
 
 # ----------------------------------------------------------------------------- the split model
@@ -215,10 +324,39 @@ def _interference_rows():
     return out
 
 
+def _fresh(design):
+    """The ``source_hash`` a benchmark writes for a row of ``design`` measured on today's sources."""
+    import make_auto_table
+
+    return make_auto_table.source_fingerprint(design)
+
+
+def _floor_rows():
+    base = dict(gpu="NVIDIA H200", comm="fake", scope="model", world_size=2, dims="8b", hidden=4096, layers=2,
+                torch="2.11", triton="3.6.0", git_commit="f1", date="2026-12-04")
+    out = []
+    for arch, ratios in (("llama", (1.2, 1.0, 0.9)), ("granite", (1.3, 0.97, 0.95))):
+        for t, r in zip((16, 1024, 4096), ratios):
+            out.append(dict(base, arch=arch, T=t, variant="default", kernel="default", ms_per_layer=1.0,
+                            ratio_vs_default=1.0, source_hash=""))
+            out.append(dict(base, arch=arch, T=t, variant="nccl", kernel="nccl", ms_per_layer=r, ratio_vs_default=r,
+                            source_hash=_fresh("nccl")))
+    # auto rows and a stale nccl row (other sources) do not enter; neither do rows of a real group
+    out.append(dict(base, arch="llama", T=4096, variant="auto", kernel="nccl", ms_per_layer=0.5, ratio_vs_default=0.5,
+                    source_hash=_fresh("nccl")))
+    out.append(dict(base, arch="qwen2", T=4096, variant="nccl", kernel="nccl", ms_per_layer=2, ratio_vs_default=2.0,
+                    source_hash="0123456789abcdef"))
+    out.append(dict(base, comm="nccl", arch="qwen2", T=4096, variant="nccl", kernel="nccl", ms_per_layer=2,
+                    ratio_vs_default=2.0, source_hash=_fresh("nccl")))
+    return out
+
+
 @pytest.fixture
 def generated(tmp_path, monkeypatch):
     """make_auto_table.py run on fixture CSVs; its module, and auto reading its tables."""
+    import contextlib
     import importlib.util
+    import io
     import os
     import sys
 
@@ -226,17 +364,33 @@ def generated(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(bench)
     import make_auto_table
 
-    _write_csv(tmp_path / "interference.csv", _interference_rows())
-    _write_csv(tmp_path / "split_8b.csv", [dict(world_size=2, T=t, variant="split", ms_per_layer=ms, git_commit="s1")
-                                           for t, ms in ((1024, 0.5), (16384, 9.0))])
-    _write_csv(tmp_path / "allreduce_rmsnorm.csv", [dict(world_size=2, dtype="bf16", mode="graph", H=8192, T=4096,
-                                                         variant="fused_symm", us=270.0, git_commit="u1")])
-    make_auto_table.main(["--results", str(tmp_path), "--out", str(tmp_path / "table.py")])
+    inter = _interference_rows()
+    for r in inter:
+        r["source_hash"] = _fresh(r["design"]) if r["design"] in make_auto_table.DESIGNS else ""
+    stale = dict(inter[0], rows=8192, slowdown=9.9, git_commit="0000000", source_hash="")  # an unknown commit
+    _write_csv(tmp_path / "interference.csv", inter + [stale])
+    _write_csv(tmp_path / "split_8b.csv", [dict(world_size=2, T=t, variant="split", ms_per_layer=ms, git_commit="s1",
+                                                source_hash=_fresh("p2p")) for t, ms in ((1024, 0.5), (16384, 9.0))])
+    _write_csv(tmp_path / "allreduce_rmsnorm.csv", [
+        dict(world_size=2, dtype="bf16", mode="graph", H=8192, T=4096, variant="fused_symm", us=270.0, git_commit="u1",
+             source_hash=_fresh("p2p")),
+        dict(world_size=2, dtype="bf16", mode="graph", H=8192, T=4096, variant="nccl_ar+norm", us=300.0,
+             git_commit="u1", source_hash=""),
+        # the plain graph alone (its p2p row is stale) decides nothing: no row at T=1024
+        dict(world_size=2, dtype="bf16", mode="graph", H=8192, T=1024, variant="fused_symm", us=70.0,
+             git_commit="af62422+push+ce", source_hash=""),
+        dict(world_size=2, dtype="bf16", mode="graph", H=8192, T=1024, variant="nccl_ar+norm", us=80.0,
+             git_commit="u1", source_hash="")])
+    _write_csv(tmp_path / "floor.csv", _floor_rows())
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        make_auto_table.main(["--results", str(tmp_path), "--out", str(tmp_path / "table.py")])
     spec = importlib.util.spec_from_file_location("generated_auto_table", tmp_path / "table.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    mod.printed = out.getvalue()
     sys.modules.pop("make_auto_table", None)
-    for name in ("SOURCE", "TABLE", "INTERFERENCE_SOURCE", "INTERFERENCE"):
+    for name in ("SOURCE", "TABLE", "INTERFERENCE_SOURCE", "INTERFERENCE", "FLOOR_SOURCE", "FLOOR"):
         monkeypatch.setattr(auto_table, name, getattr(mod, name))
     return mod
 
@@ -244,15 +398,55 @@ def generated(tmp_path, monkeypatch):
 def test_make_auto_table_enters_designs_at_their_world_size(generated):
     inter = generated.INTERFERENCE
     assert set(inter) == {(2, 4096), (2, 8192)}
-    assert set(inter[(2, 4096)]) == {4096, 16384}  # T = 2 x rows
+    assert set(inter[(2, 4096)]) == {4096, 16384}  # T = 2 x rows; the stale row (T=16384 from 8192 rows) is not in
     at4k = inter[(2, 4096)][4096]
     assert set(at4k) == {"p2p", "ce", "oneshot"}  # no stand-ins, no p2p_barriers
     assert at4k["ce"][32] == {"gemm_us": 574.5, "slowdown": 1.029, "comm_alone_us": 76.0, "comm_with_gemm_us": 198.0}
     assert at4k["p2p"][32]["slowdown"] == 1.262  # the tp=8 row (slowdown 1.0) did not enter
     assert inter[(2, 4096)][16384]["ce"][32]["comm_with_gemm_us"] is None
+    assert inter[(2, 4096)][16384]["p2p"][32]["slowdown"] == 1.01  # not the stale 9.9
     assert "interference.csv" in generated.INTERFERENCE_SOURCE and "abc1234" in generated.INTERFERENCE_SOURCE
-    assert generated.TABLE == {(2, False): {4096: {"p2p": 270.0}}, (2, True): {1024: {"p2p": 500.0},
-                                                                                16384: {"p2p": 9000.0}}}
+    assert generated.TABLE == {(2, False): {4096: {AS_WRITTEN: 300.0, "p2p": 270.0}},
+                               (2, True): {1024: {"p2p": 500.0}, 16384: {"p2p": 9000.0}}}
+    # The floor: nccl's worst ratio over the architectures, fresh fake-group model rows of implementations only.
+    assert generated.FLOOR == {(2, 4096): {16: {"nccl": 1.3}, 1024: {"nccl": 1.0}, 4096: {"nccl": 0.95}}}
+    assert "floor.csv" in generated.FLOOR_SOURCE and "granite, llama" in generated.FLOOR_SOURCE
+    dropped = generated.printed
+    assert "p2p @ 0000000 x1" in dropped and "p2p @ af62422+push+ce x1" in dropped and "nccl @ f1 x1" in dropped
+
+
+def test_fingerprints_ignore_words_but_not_code():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    try:
+        import make_auto_table as m
+    finally:
+        sys.path.pop(0)
+    code = 'def f(x):\n    """What f does."""\n    return x + 1  # why\n'
+    assert m.fingerprint({"a.py": code}) == m.fingerprint({"a.py": code.replace("What f does.", "Other words.")
+                                                                       .replace("# why", "")})
+    assert m.fingerprint({"a.py": code}) != m.fingerprint({"a.py": code.replace("x + 1", "x + 2")})
+    for design, entries in m.DESIGN_SOURCES.items():  # every listed source exists
+        assert design in kernels.names()
+        for entry in entries:
+            assert os.path.exists(os.path.join(m.PKG, entry)), entry
+
+
+def test_the_committed_table_holds_only_rows_of_todays_kernels():
+    """auto_table.py is what make_auto_table.py makes of benchmarks/results today: no row from sources
+    that changed since they were measured (regenerate it after changing a design's code)."""
+    import os
+    import subprocess
+    import sys
+
+    if subprocess.run(["git", "rev-parse", "--git-dir"], capture_output=True,
+                      cwd=os.path.dirname(__file__)).returncode != 0:
+        pytest.skip("no git checkout: older rows cannot be checked against their commits")
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "make_auto_table.py")
+    out = subprocess.run([sys.executable, script, "--check"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 @pytest.fixture
@@ -291,9 +485,9 @@ def test_split_model_takes_only_what_can_run_and_says_where_it_does_not_decide(s
     kernel, why = auto.choose("auto", site(num_tokens=4096, split=True, comm_ctas=32))
     assert kernel == "p2p" and "p2p@32" in why and "ce@" not in why
     monkeypatch.setattr(copy_engine, "unavailable_reason", lambda: None)
-    # Outside the measured range: the whole-model split table decides, and the reason says why.
+    # Outside every measured range: the GPU fallback, and the reason says why.
     kernel, why = auto.choose("auto", site(num_tokens=100_000, split=True, comm_ctas=32))
-    assert kernel == "p2p" and "split model: T=100000 outside" in why
+    assert kernel == "nccl" and "split model: T=100000 outside" in why and "T=100000 outside the measured range" in why
     # A hidden size far from every measured one.
     kernel, why = auto.choose("auto", site(hidden=1024, num_tokens=4096, split=True))
     assert "no interference measured near H=1024" in why
@@ -308,9 +502,7 @@ def test_split_model_takes_only_what_can_run_and_says_where_it_does_not_decide(s
                                  site(num_tokens=4096, split=True))[0] == "ce"
 
 
-def test_without_interference_measurements_the_split_keeps_todays_table(symm, ce_runs):
-    assert auto_table.INTERFERENCE == {} or "not measured" not in auto_table.INTERFERENCE_SOURCE
-    if auto_table.INTERFERENCE:
-        pytest.skip("the committed table has interference rows")
+def test_without_interference_measurements_the_split_runs_the_gpu_fallback(symm, ce_runs, tables):
     kernel, why = auto.choose("auto", site(num_tokens=4096, split=True))
-    assert kernel == "p2p" and "no interference measured at world size 2" in why and "fastest measured" in why
+    assert kernel == "nccl" and "no interference measured at world size 2" in why
+    assert "the split needs a fused op" in why

@@ -65,6 +65,9 @@ def test_registering_checks_the_name_and_the_single_fallback(dummy):
     with pytest.raises(ValueError, match="fallback implementation"):
         kernels.register(dataclasses.replace(impl, name="dummy2", fallback=True))
     assert kernels.fallback().name == "reference" and "dummy2" not in kernels.names()
+    with pytest.raises(ValueError, match="GPU fallback"):
+        kernels.register(dataclasses.replace(impl, name="dummy3", gpu_fallback=True))
+    assert kernels.gpu_fallback().name == "nccl" and "dummy3" not in kernels.names()
 
 
 def _compile_with_dummy(rank, world_size, seed):

@@ -3,12 +3,12 @@
 One registry entry per implementation (:mod:`.registry`), one module or subpackage each:
 
 - :mod:`.reference`: reduce-scatter / add + RMSNorm / all-gather with functional collectives; the
-  fallback of every other, and the float64 oracle of the op's contract;
+  fallback off GPUs, and the float64 oracle of the op's contract;
 - :mod:`.p2p`: the push kernel over peer-mapped symmetric memory (any NVLink / P2P machine);
 - :mod:`.multimem`: the pull kernel through NVLink SHARP (multicast machines; compile-checked here);
 - :mod:`.oneshot`: the barrier-free one-shot kernel for decode-sized token counts;
 - :mod:`.ce`: copy engines and stream-memory-op flags around a few-CTA add+norm;
-- :mod:`.nccl`: NCCL reduce-scatter / all-gather around the same add+norm.
+- :mod:`.nccl`: NCCL reduce-scatter / all-gather around the same add+norm; the fallback on GPUs.
 
 Around them: :mod:`.spec` (the op's arguments as the implementations receive them: a frozen
 :class:`FusedSpec` and the :class:`Rows` adapter), :mod:`.auto` (which implementation a site
@@ -25,9 +25,9 @@ multicast off; ``multimem`` runs only where PyTorch itself made a multicast obje
 imports the op layer above (``ops/``); both use :mod:`weave_compile.rows`.
 """
 
-from .registry import (AUTO, Implementation, NormTerms, Site, fallback, get, implementations, names, register,
-                       unregister)
+from .registry import (AUTO, Implementation, NormTerms, Site, fallback, get, gpu_fallback, implementations, names,
+                       register, unregister)
 from .spec import FusedSpec, Rows
 
-__all__ = ["AUTO", "FusedSpec", "Implementation", "NormTerms", "Rows", "Site", "fallback", "get", "implementations",
-           "names", "register", "unregister"]
+__all__ = ["AUTO", "FusedSpec", "Implementation", "NormTerms", "Rows", "Site", "fallback", "get", "gpu_fallback",
+           "implementations", "names", "register", "unregister"]

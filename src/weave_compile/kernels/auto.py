@@ -1,26 +1,52 @@
-"""Which implementation a fused site gets: the whole policy, forced and ``auto``, in one place.
+"""Which implementation a fused site gets, or whether it stays as written: the whole policy, in one place.
 
 :func:`choose` runs at compile time, once per site; the choice is baked into the graph as the op's
-``kernel`` argument, with a reason for ``explain()``. Everything it knows of an implementation
-comes from its registry entry (:mod:`.registry`): what it takes, why it cannot run here, and how
-``auto`` ranks it. ``auto``:
+``kernel`` argument, with a reason for ``explain()``. It may also answer :data:`AS_WRITTEN`: the
+fuse pass then leaves the site's all_reduce, add and RMSNorm as they are, for Inductor (the reason
+says why). Everything it knows of an implementation comes from its registry entry
+(:mod:`.registry`): what it takes, why it cannot run here, and how ``auto`` ranks it.
+
+The rule under everything: **on a GPU, no site runs an eager chain, and no design is preferred
+over the plain graph without a measurement on the current code.** ``reference`` (eager torch ops
+inside the compiled graph: 1.17-1.77x plain Inductor per layer, one H200, fake process group,
+Llama-8B dims) is the CPU path and the oracle; on a GPU it runs only where forced.
+
+``auto``:
 
 1. takes a *preferred* implementation (``auto_preferred``, best ``auto_rank`` first) wherever it
    can run, its crossover allows the site's token count (``auto_max_bytes``: a static T only) and
-   it is ready (``auto_ready``);
+   it is ready (``auto_ready``: measured across GPUs; today none is);
 2. under the token split, the design with the least predicted phase time by the split model
    (:func:`from_split_model`) over the measured interference table
    (``auto_table.INTERFERENCE``), among those that can run;
-3. else the fastest design measured for the world size, token count and split (``auto_table.TABLE``:
-   the fused op alone unsplit, the whole split model per layer split), among those that can run;
-4. where nothing applicable was measured, the capability order (``auto_rank``);
-5. else the fallback.
+3. else the fastest of the designs and the plain graph (:data:`AS_WRITTEN`) measured across GPUs
+   on the current kernels for the world size and token count (``auto_table.TABLE``);
+4. else the fallback (:func:`fallback_choice`).
 
-Only implementations with an ``auto_rank`` or named in a table that applies are considered (an
-implementation without a rank is taken only from measured rows). Forcing a name runs that
-implementation where it can run, else the fallback, with the reason. The capability checks may be
-collective (a symmetric-memory probe): every rank compiles the same graphs, so every rank gets here
-together and in the same order.
+A forced name runs that implementation where it can run, else the fallback, with the reason.
+
+The fallback. Off GPUs: ``reference``. On a GPU: compiled work, chosen per site by
+:func:`floor_verdict` over ``auto_table.FLOOR`` (``benchmarks/bench_floor.py`` on one GPU with
+communication free: every variant's ms per layer against plain Inductor on the same model, the
+worst over the architectures measured): the GPU fallback implementation (``nccl``: NCCL
+reduce-scatter and all-gather around the shared add+norm kernel, the norm on this rank's 1/N of
+the rows) where it was measured at least :data:`MIN_GAIN` faster at every measured token count the
+site's can take, else the site as written (decode sizes: one all_reduce and Inductor's fused
+add+norm beat two collectives' fixed cost). Under the split, which needs a fused op at every site
+it splits, the GPU fallback wherever it can run.
+
+What needs two GPUs. The floor is the local part only (collectives move nothing on the fake
+group). Stated rules until the two-GPU runs confirm them: NCCL's all_reduce is a reduce-scatter
+plus an all-gather on the wire for the large messages where ``nccl`` is taken, so the floor's
+ranking carries over (confirmed by ``torchrun --nproc-per-node 2 benchmarks/bench_floor.py
+--comm nccl``); ``p2p``, ``ce`` and ``oneshot`` are taken unsplit only from ``TABLE`` rows measured
+across two GPUs on the current kernels (``torchrun --nproc-per-node 2
+benchmarks/bench_allreduce_rmsnorm.py``, then ``benchmarks/make_auto_table.py``), which drops every
+row whose design's sources changed since the commit that measured it); ``multimem`` and
+``oneshot`` wait for their measurement (``auto_ready``).
+
+The capability checks may be collective (a symmetric-memory probe): every rank compiles the same
+graphs, so every rank gets here together and in the same order.
 
 The split model. Under the split, each half's fused op runs beside the other half's GEMMs: a layer
 is four phases, each one op call of one half beside about half of the other half's layer GEMMs
@@ -35,12 +61,22 @@ predict a layer's latency (attention, pointwise kernels and the phases' unequal 
 
 from __future__ import annotations
 
+import hashlib
 import math
+import pprint
 from typing import Optional
+
+import torch
 
 from . import auto_table, registry
 from .registry import Implementation, Site
 from .shared.common import DEFAULT_COMM_CTAS
+
+#: :func:`choose`'s answer where the site stays as written (no fused op): not an implementation.
+AS_WRITTEN = "as written"
+#: A design is preferred over the plain graph only where it measured at least this much faster
+#: (ratio <= 1 - MIN_GAIN): run-to-run drift of one H200 is a few percent (docs/performance.md).
+MIN_GAIN = 0.02
 
 
 def choose(requested: str, site: Site) -> tuple[str, str]:
@@ -52,7 +88,7 @@ def choose(requested: str, site: Site) -> tuple[str, str]:
         return impl.name, "requested"
     why = unavailable(impl, site)
     if why:
-        return registry.fallback().name, f"requested {impl.name!r} unavailable: {why}"
+        return fallback_choice(site, f"requested {impl.name!r} unavailable: {why}")
     better = [e.name for e in _preferred() if _rank(e) < _rank(impl)
               and unavailable(e, site) is None and verdict(e, site)[0]]
     return impl.name, "requested" + (f" ({', '.join(better)} also available)" if better else "")
@@ -114,14 +150,15 @@ def lookup(world_size: int, num_tokens: Optional[int], split: bool) -> tuple[Opt
 
 
 def from_table(runnable: list[Implementation], site: Site) -> tuple[Optional[str], str]:
-    """``(name, reason)`` of the fastest measured design among ``runnable``, or ``(None, why)``
-    where the table does not decide (nothing measured there, or none of its designs can run)."""
+    """``(name or AS_WRITTEN, reason)`` of the fastest measured among ``runnable`` and the plain
+    graph (where its row has it), or ``(None, why)`` where the table does not decide (nothing
+    measured there, or none of its designs can run)."""
     row, where = lookup(site.world_size, site.num_tokens, site.split)
     if row is None:
         return None, where
-    names = {e.name for e in runnable}
+    names = {e.name for e in runnable} | {AS_WRITTEN}
     ranked = [(us, design) for design, us in row.items() if design in names]
-    if not ranked:
+    if not ranked or all(d == AS_WRITTEN for _, d in ranked):
         return None, f"measured {sorted(row)} at {where}, none of them can run here"
     us, design = min(ranked)
     others = ", ".join(f"{d} {u:.1f} us" for d, u in sorted(row.items()) if d != design)
@@ -129,16 +166,22 @@ def from_table(runnable: list[Implementation], site: Site) -> tuple[Optional[str
                     + f" [{auto_table.SOURCE}]")
 
 
+def _by_hidden(table: dict, what: str, world_size: int, hidden: int) -> tuple[Optional[dict], str]:
+    """``(table[(world_size, h)], where)`` for the nearest measured ``h`` within a factor of 2 of
+    ``hidden``, or ``(None, why)``."""
+    keys = [h for (w, h) in table if w == int(world_size)]
+    if not keys:
+        return None, f"no {what} measured at world size {world_size}"
+    h = min(keys, key=lambda k: abs(math.log(k / max(1, hidden))))
+    if not h / 2 <= hidden <= h * 2:
+        return None, f"no {what} measured near H={hidden} at world size {world_size} (measured H {sorted(keys)})"
+    return table[(int(world_size), h)], f"world size {world_size}, H={h}"
+
+
 def interference_rows(world_size: int, hidden: int) -> tuple[Optional[dict], str]:
     """``({T: {design: {ctas: entry}}}, where)`` measured at ``world_size`` and the nearest measured
     hidden size within a factor of 2, or ``(None, why)``."""
-    keys = [h for (w, h) in auto_table.INTERFERENCE if w == int(world_size)]
-    if not keys:
-        return None, f"no interference measured at world size {world_size}"
-    h = min(keys, key=lambda k: abs(math.log(k / max(1, hidden))))
-    if not h / 2 <= hidden <= h * 2:
-        return None, f"no interference measured near H={hidden} at world size {world_size} (measured H {sorted(keys)})"
-    return auto_table.INTERFERENCE[(int(world_size), h)], f"world size {world_size}, H={h}"
+    return _by_hidden(auto_table.INTERFERENCE, "interference", world_size, hidden)
 
 
 def phase_prediction(entry: dict) -> tuple[float, str]:
@@ -235,7 +278,7 @@ def _auto(site: Site) -> tuple[str, str]:
     if not runnable:
         # (the reasons usually agree: e.g. one symmetric-memory probe behind every candidate)
         why = "; ".join(dict.fromkeys(failed.values())) or "no other implementation can run here"
-        return registry.fallback().name, why + tail
+        return fallback_choice(site, why + tail)
     split_why = ""
     if site.split:
         name, split_why = from_split_model(runnable, site)
@@ -245,7 +288,105 @@ def _auto(site: Site) -> tuple[str, str]:
     name, why = from_table(runnable, site)
     if name is not None:
         return name, f"auto: {split_why}{why}{tail}"
-    ranked = [e for e in runnable if e.auto_rank is not None]
-    if not ranked:
-        return registry.fallback().name, f"auto: {split_why}{why}; no ranked implementation can run here{tail}"
-    return ranked[0].name, f"auto: {split_why}{why}, so by capability (not by the measured table){tail}"
+    return fallback_choice(site, f"auto: {split_why}{why}{tail}")
+
+
+# ----------------------------------------------------------------------------- the fallback
+
+
+def fallback_choice(site: Site, why: str) -> tuple[str, str]:
+    """``(name or AS_WRITTEN, reason)`` where nothing chosen runs at ``site`` (``why`` says why).
+
+    Off GPUs ``reference``. On a GPU the GPU fallback implementation where :func:`floor_verdict`
+    takes it (always under the split, which needs a fused op), else the site as written."""
+    if site.device.type != "cuda":
+        return registry.fallback().name, why
+    gpu = registry.gpu_fallback()
+    if gpu is None:
+        return AS_WRITTEN, f"{why}; left as written (no GPU fallback is registered)"
+    cannot = unavailable(gpu, site)
+    if cannot:
+        return AS_WRITTEN, f"{why}; left as written ({gpu.name}, the GPU fallback, cannot run here either: {cannot})"
+    if site.split:
+        return gpu.name, f"{why}; GPU fallback {gpu.name} (the split needs a fused op at the sites it splits)"
+    takes, floor_why = floor_verdict(gpu.name, site)
+    if takes:
+        return gpu.name, f"{why}; GPU fallback {gpu.name}: {floor_why}"
+    return AS_WRITTEN, f"{why}; left as written: {floor_why}"
+
+
+def runtime_fallback(device: torch.device) -> Implementation:
+    """What the op runs where its implementation cannot run now (tensors on a device it does not
+    run on; buffers that cannot grow inside CUDA-graph capture): on CUDA tensors the GPU
+    fallback, compiled work (``nccl`` takes everything the symmetric-memory designs take, so no
+    site that chose one can hold what it cannot run), elsewhere ``reference``."""
+    if torch.device(device).type == "cuda":
+        gpu = registry.gpu_fallback()
+        if gpu is None:
+            raise RuntimeError("weave::allreduce_add_rmsnorm: no GPU fallback implementation is registered, and "
+                               "the reference fallback's eager chain does not run on CUDA tensors unless forced")
+        return gpu
+    return registry.fallback()
+
+
+def _token_bounds(site: Site) -> tuple[Optional[int], Optional[int]]:
+    """``(lowest, highest)`` token count of the site (None where unknown or unbounded)."""
+    if site.num_tokens is not None:
+        return site.num_tokens, site.num_tokens
+    if site.token_range is not None:
+        return site.token_range
+    return None, None
+
+
+def floor_rows(world_size: int, hidden: int) -> tuple[Optional[dict], str]:
+    """``({T: {design: ratio}}, where)`` of ``auto_table.FLOOR`` at ``world_size`` and the nearest
+    measured hidden size within a factor of 2, or ``(None, why)``."""
+    return _by_hidden(auto_table.FLOOR, "floor", world_size, hidden)
+
+
+def floor_verdict(design: str, site: Site) -> tuple[bool, str]:
+    """Whether ``design`` runs ``site`` rather than the plain graph, by the measured floor, and why.
+
+    Taken where its ms per layer over plain Inductor's (the worst over the architectures measured)
+    is at most ``1 - MIN_GAIN`` at every measured T from the site's lowest token count on, and the
+    site's highest is at most twice the largest measured T: between two measured T that both win
+    it wins, and nothing is extrapolated further. A symbolic token count without such bounds keeps
+    the plain graph, and so does a sequence-parallel site (the floor measures all_reduce sites)."""
+    if site.sequence_parallel:
+        return False, ("no floor measured at sequence-parallel sites (their plain graph is already reduce-scatter, "
+                       "norm on this rank's rows, all-gather; bench_floor.py times all_reduce sites)")
+    rows, where = floor_rows(site.world_size, site.hidden)
+    if rows is None:
+        return False, f"{where} (plain Inductor is kept where no measurement says otherwise)"
+    ts = sorted(rows)
+    ratio = {t: rows[t].get(design) for t in ts}
+    wins = {t: r is not None and r <= 1 - MIN_GAIN for t, r in ratio.items()}
+    cross = next((t for i, t in enumerate(ts) if all(wins[u] for u in ts[i:])), None)
+    src = f"[{auto_table.FLOOR_SOURCE}]"
+
+    def shown(t):
+        return f"{design} {ratio[t]:.2f}x at T={t}" if ratio[t] is not None else f"{design} not measured at T={t}"
+
+    slower = f"plain Inductor measured faster, or {design} less than {MIN_GAIN:.0%} faster,"
+    if cross is None:
+        return False, f"{slower} up to T={ts[-1]} ({shown(ts[-1])}), {where} {src}"
+    lo, hi = _token_bounds(site)
+    losers = [t for t in ts if t < cross]
+    if lo is None:
+        return False, (f"token count unknown at compile time; {design} wins only from T={cross} on"
+                       + (f" ({slower} at T<={losers[-1]})" if losers else "") + f", {where} {src}")
+    if lo < cross:
+        near = min(losers, key=lambda t: abs(math.log(t / max(1, lo))))
+        return False, f"{slower} at T<={losers[-1]} ({shown(near)}); {design} only from T={cross} on, {where} {src}"
+    if hi is None or hi > 2 * ts[-1]:
+        return False, (f"T up to {'unbounded' if hi is None else hi} exceeds twice the largest measured T={ts[-1]} "
+                       f"({design} wins from T={cross} on), {where} {src}")
+    near = min((t for t in ts if t >= cross), key=lambda t: abs(math.log(t / max(1, lo))))
+    return True, f"{shown(near)} of plain Inductor (wins from T={cross} on), {where} {src}"
+
+
+def tables_digest() -> str:
+    """A digest of every table ``auto`` reads, for the compile cache key: a graph compiled under
+    other tables (a benchmark installs the floor it just measured) must not be served from cache."""
+    text = pprint.pformat((auto_table.TABLE, auto_table.INTERFERENCE, auto_table.FLOOR, MIN_GAIN), width=200)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

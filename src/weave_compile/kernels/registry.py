@@ -4,7 +4,9 @@ An :class:`Implementation` says everything the rest of the package needs to know
 implementation: its name, why it cannot run at a site (checked at compile time), the workspace it
 reserves at compile time, how it runs (``run(rows, spec)``, at run time), the error it raises when
 its buffers cannot grow now (inside CUDA-graph capture: the op falls back, logged), what it takes
-(a scale, an eps tensor, an output slot) and how ``auto`` treats it. Everything that lists or
+(a scale, an eps tensor, an output slot), how ``auto`` treats it, and whether it is a fallback:
+:func:`fallback` (``reference``: the CPU path and the oracle) or :func:`gpu_fallback` (``nccl``:
+compiled work, what a CUDA site gets where nothing chosen can run; :mod:`.auto` says when). Everything that lists or
 switches on implementations derives from here: the config's valid ``kernel`` names
 (:func:`names`), the op's dispatch (``ops/allreduce_rmsnorm.py``), the fuse pass's
 choice and reservation (:mod:`.auto`, :attr:`Implementation.reserve`) and what ``explain()``
@@ -53,8 +55,14 @@ class Site:
     world_size: int
     num_tokens: Optional[int] = None  # the token count when static, None when symbolic
     size_hint: Optional[int] = None  # the token count, or Dynamo's hint of a symbolic one (None: no hint)
+    #: ``(lowest, highest or None: unbounded)`` of a symbolic token count as the shape environment
+    #: bounds it (``torch._dynamo.mark_dynamic(x, dim, min=, max=)``); None when static or unknown
+    token_range: Optional[tuple[int, Optional[int]]] = None
     residual_in_dtype: Optional[torch.dtype] = None  # the residual input's (None: no residual)
     split: bool = False  # the token split will run on this graph
+    #: the site reduces with a reduce-scatter of the model's own sequence shard (sequence
+    #: parallelism): its plain graph already norms this rank's rows only
+    sequence_parallel: bool = False
     has_scale: bool = False
     eps_on_device: bool = False  # eps is a graph input living on the device
     out_in_place: bool = False  # outputs may stay in the symmetric output ring (option)
@@ -83,12 +91,16 @@ class Implementation:
     takes_scale: bool = False  # multiplies the reduced sum by a 0-d ``scale``
     takes_eps_tensor: bool = False  # reads eps from a 0-d device tensor (the others read it on the host)
     takes_out_slot: bool = False  # can leave ``normed`` in a slot of the symmetric output ring
-    #: The implementation every other falls back to (exactly one is registered).
+    #: The implementation every other falls back to off GPUs, and the oracle (exactly one is
+    #: registered); on a GPU it runs only where forced (its body is eager torch ops).
     fallback: bool = False
+    #: The fallback on CUDA devices (at most one is registered): compiled work, never an eager chain;
+    #: where it is measured slower than plain Inductor the site stays as written (:mod:`.auto`).
+    gpu_fallback: bool = False
     #: What explain() adds where it is chosen (e.g. what a probe found); None: nothing.
     note: Optional[Callable[[Site], str]] = None
-    #: ``auto``'s preference where the measured table does not decide (lower first); None: auto
-    #: picks it only from measured rows.
+    #: The order of the preferred designs and of the "also available" note (lower first); None:
+    #: auto takes it only from measured rows (it takes no design by rank alone).
     auto_rank: Optional[int] = None
     #: ``auto`` takes it ahead of the measured table wherever it can run (and its crossover and
     #: readiness allow).
@@ -125,6 +137,8 @@ def register(impl: Implementation) -> Implementation:
         raise ValueError(f"an implementation named {impl.name!r} is already registered")
     if impl.fallback and any(e.fallback for e in _IMPLEMENTATIONS.values()):
         raise ValueError(f"{impl.name!r}: a fallback implementation ({fallback().name}) is already registered")
+    if impl.gpu_fallback and any(e.gpu_fallback for e in _IMPLEMENTATIONS.values()):
+        raise ValueError(f"{impl.name!r}: a GPU fallback ({gpu_fallback().name}) is already registered")
     _IMPLEMENTATIONS[impl.name] = impl
     return impl
 
@@ -163,8 +177,16 @@ def implementations() -> tuple[Implementation, ...]:
 
 
 def fallback() -> Implementation:
-    """The implementation the others fall back to."""
+    """The implementation the others fall back to off GPUs (the CPU path and the oracle)."""
     for impl in implementations():
         if impl.fallback:
             return impl
     raise RuntimeError("no fallback implementation is registered")
+
+
+def gpu_fallback() -> Optional[Implementation]:
+    """The implementation a CUDA site falls back to (compiled work), or None if none is registered."""
+    for impl in implementations():
+        if impl.gpu_fallback:
+            return impl
+    return None

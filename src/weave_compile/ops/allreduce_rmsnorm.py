@@ -29,7 +29,9 @@ Implementations (the ``kernel`` argument, chosen at compile time by
 The op builds their :class:`~weave_compile.kernels.spec.FusedSpec` and
 :class:`~weave_compile.kernels.spec.Rows` once, here, and runs the chosen one; where it cannot
 run now (tensors on a device it does not run on, or a workspace that cannot grow inside CUDA-graph
-capture) the fallback runs instead.
+capture) :func:`weave_compile.kernels.auto.runtime_fallback` runs instead, logged once: on CUDA
+tensors compiled work (``nccl``), never the eager ``reference`` chain, which runs on a GPU only
+where a site forced it.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from typing import Any, Optional
 import torch
 
 from weave_compile import kernels
-from weave_compile.kernels import FusedSpec, Rows
+from weave_compile.kernels import FusedSpec, Rows, auto
 from weave_compile.rows import group_size, num_rows, rows_per_rank
 
 log = logging.getLogger(__name__)
@@ -124,17 +126,22 @@ def _call(a: dict[str, Any], beside_compute: bool) -> tuple[torch.Tensor, torch.
 
 
 def _run(impl: kernels.Implementation, rows: Rows, spec: FusedSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """``impl``'s outputs, or the fallback's where it cannot run now."""
-    fallback = kernels.fallback()
-    if impl is not fallback:
-        out: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-        try:
-            out = impl.run(rows, spec)
-        except tuple(e for e in (impl.capacity_error,) if e is not None) as e:
-            # Its buffers cannot grow inside CUDA-graph capture: the fallback's collectives can.
-            _log_fallback_once(impl.name, fallback.name, str(e))
-        if out is not None:
-            return out
+    """``impl``'s outputs, or the run-time fallback's where it cannot run now."""
+    if impl.fallback:  # reference: the CPU path, or forced; it runs wherever a process group does
+        return impl.run(rows, spec)
+    why = f"it does not run on these tensors ({rows.x.device})"
+    try:
+        out = impl.run(rows, spec)
+    except tuple(e for e in (impl.capacity_error,) if e is not None) as e:
+        # Its buffers cannot grow inside CUDA-graph capture: the fallback's collectives can.
+        out, why = None, str(e)
+    if out is not None:
+        return out
+    fallback = auto.runtime_fallback(rows.x.device)
+    if fallback is impl:
+        raise RuntimeError(f"weave::allreduce_add_rmsnorm: kernel {impl.name!r}, the fallback on {rows.x.device}, "
+                           f"cannot run: {why}")
+    _log_fallback_once(impl.name, fallback.name, why)
     return fallback.run(rows, spec)
 
 

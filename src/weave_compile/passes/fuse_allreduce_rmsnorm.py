@@ -9,7 +9,9 @@ Three steps per all_reduce or reduce_scatter, in graph order:
 1. **match** (:func:`.allreduce_site.match_site`, the norm by :mod:`.rmsnorm_match`): the site's
    nodes and what the op needs, or the reason it is left alone;
 2. **choice** (:func:`weave_compile.kernels.auto.choose`): which registered implementation runs
-   the site, with the reason; then the implementation's compile-time reservation (collective);
+   the site, with the reason, or that the site stays as written (on a GPU where plain Inductor was
+   measured faster and nothing else can run it: the reason goes to the report); then the
+   implementation's compile-time reservation (collective);
 3. **emission** (:meth:`.allreduce_site.SiteMatch.replace_with`): the op replaces the site.
 
 Rewrite to::
@@ -79,6 +81,28 @@ def _hints(shape) -> tuple[Optional[int], Optional[int]]:
     return static, hint
 
 
+def _token_range(shape) -> Optional[tuple[int, Optional[int]]]:
+    """``(lowest, highest or None)`` of a symbolic token count (the product of the leading dims) as
+    the shape environment bounds it (``mark_dynamic(x, dim, min=, max=)``), None when static or
+    unknown: the floor's choice may depend on T (kernels/auto.py)."""
+    syms = [d for d in shape if not isinstance(d, int)]
+    if not syms:
+        return None
+    try:
+        expr = math.prod(d.node.expr if not isinstance(d, int) else d for d in shape)
+        bounds = syms[0].node.shape_env.bound_sympy(expr)
+    except Exception:  # noqa: BLE001 - no bounds: the choice treats the count as unknown
+        return None
+
+    def finite(v) -> Optional[int]:
+        try:  # sympy's oo and torch's int_oo do not convert
+            return int(v)
+        except (TypeError, ValueError, AttributeError, OverflowError):
+            return None
+
+    return max(0, finite(bounds.lower) or 0), finite(bounds.upper)
+
+
 def site_of(m: SiteMatch, config: TokenWeaveConfig) -> kernels.Site:
     """What the choice and the reservation need to know of a matched site."""
     tx = val(m.collective.x)
@@ -88,10 +112,12 @@ def site_of(m: SiteMatch, config: TokenWeaveConfig) -> kernels.Site:
     return kernels.Site(
         device=tx.device, dtype=tx.dtype, residual_dtype=val(m.residual_out).dtype, out_dtype=val(m.norm.out).dtype,
         hidden=int(tx.shape[-1]), group_name=group, world_size=group_size(group), num_tokens=rows, size_hint=hint,
+        token_range=_token_range(tx.shape[:-1]),
         residual_in_dtype=val(m.residual).dtype if m.residual is not None else None,
         # Whether the split will run here (the split pass decides later; its threshold is known;
         # it leaves graphs with reduce-scatter sites alone).
         split=config.split and not m.collective.scatters and (rows is None or rows >= config.split_threshold),
+        sequence_parallel=m.collective.scatters,
         has_scale=m.scale is not None,
         eps_on_device=isinstance(eps, fx.Node) and val(eps).device.type != "cpu",
         out_in_place=config.output_in_place, comm_ctas=config.comm_ctas, terms=_terms(m))
@@ -132,6 +158,8 @@ class FuseAllReduceRMSNormPass(WeavePass):
     def _fuse(self, m: SiteMatch, site: SiteReport, fake_mode) -> None:
         where = site_of(m, self.config)
         kernel, kernel_reason = auto.choose(self.config.kernel, where)
+        if kernel == auto.AS_WRITTEN:
+            raise NoMatch(f"left as written: {kernel_reason}")
         impl = kernels.get(kernel)
         if impl.reserve is not None:
             # Allocate now, outside any CUDA-graph pool: run-time allocation would land in the pool

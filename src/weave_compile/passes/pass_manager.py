@@ -38,6 +38,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from weave_compile import agreement
 from weave_compile import report as report_mod
 from weave_compile.config import TokenWeaveConfig
+from weave_compile.kernels import auto
 from weave_compile.ops import FUSED_OP, START_OP
 from weave_compile.report import SplitSummary
 
@@ -120,7 +121,9 @@ class WeavePassManager(CustomGraphPass):
         log.debug("tokenweave: post-pass graph\n%s", graph)
 
     def uuid(self) -> str:
-        parts = [p.uuid() for p in self.passes] + [self.config.cache_key(), base.sources_digest()]
+        # The measured tables auto reads are in the sources, but a benchmark may install others.
+        parts = [p.uuid() for p in self.passes] + [self.config.cache_key(), base.sources_digest(),
+                                                    auto.tables_digest()]
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 

@@ -4,8 +4,9 @@ One-GPU benchmarks run rank 0 of a fake process group (``dist.init_process_group
 store=FakeStore(), rank=0, world_size=N)``): the process compiles rank 0's shard of a TP model and
 collectives move nothing. ``ce``'s own setup (a symmetric-memory rendezvous) cannot run there.
 :func:`install` puts in place of the registry entry ``ce`` (:mod:`weave_compile.kernels.ce`) one
-that runs on such a group, in one of two modes, and makes every other design but the fallback
-refuse fake groups (their symmetric-memory probe would try a rendezvous there); everything else of
+that runs on such a group, in one of two modes, and makes every symmetric-memory design refuse
+fake groups (their probe would try a rendezvous there; ``reference`` and ``nccl`` run on the
+group's own collectives, which the fake group answers without moving data); everything else of
 the fused op (its dispatch, the split's streams, CUDA graphs) stays the product's.
 
 ``local`` -- the product's own cost, communication free
@@ -409,6 +410,8 @@ class FakeComm:
 
 _active: Optional[FakeComm] = None
 NOT_EMULATED = "not emulated on the fake process group (testing.fake_comm emulates ce only)"
+#: Designs that run on the process group's own collectives: the fake group answers them.
+ON_COLLECTIVES = ("nccl",)
 
 
 def _not_on_fake_groups(impl: Implementation) -> Implementation:
@@ -452,7 +455,7 @@ def install(mode: str, *, world_size: int = 2, device=None, calibration: Optiona
     fc = FakeComm(mode, world_size, rehearsal, calibration, pacer, peer_rows)
     fc.original = registry.replace(fc.entry(registry.get("ce")))
     fc.others = [registry.replace(_not_on_fake_groups(e)) for e in registry.implementations()
-                 if e.name != "ce" and not e.fallback]
+                 if e.name != "ce" and not e.fallback and e.name not in ON_COLLECTIVES]
     _active = fc
     log.info("installed %s", fc.describe())
     return fc

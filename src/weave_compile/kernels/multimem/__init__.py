@@ -38,7 +38,10 @@ def _run(rows, spec):
     return run_on_workspace(rows, spec, pull_on)
 
 
-# Where multicast exists auto prefers it, ahead of the measured table: TokenWeave's own design.
+# Preferred where multicast exists (TokenWeave's own design), but auto_ready=False: auto takes no
+# design over the plain graph without a measurement on this code, and it has never run here
+# (multicast stays off on the machines this project measures on). Force it with kernel="multimem".
 IMPLEMENTATION = Implementation(
     "multimem", "pull kernel: multimem.ld_reduce / multimem.st through NVLink SHARP (multicast machines)",
-    _check, _run, reserve=_reserve, capacity_error=SymmCapacityError, note=_note, auto_rank=0, auto_preferred=True)
+    _check, _run, reserve=_reserve, capacity_error=SymmCapacityError, note=_note, auto_rank=0, auto_preferred=True,
+    auto_ready=False)

@@ -1,0 +1,855 @@
+"""The floor: is any path of the backend slower than plain torch.compile? ms per layer on one GPU.
+
+    python benchmarks/bench_floor.py --smoke                         # first: tiny dims, ~1-2 min
+    python benchmarks/bench_floor.py --dims 8b --decode --ops        # 8B: every arch, every T
+    python benchmarks/bench_floor.py --dims 70b --keep benchmarks/results/floor.csv
+    torchrun --nproc-per-node 2 benchmarks/bench_floor.py --comm nccl --dims 8b   # two GPUs
+
+One GPU, PyTorch's fake process group (``fake_group.init``: backend "fake", world size 2, this
+process is rank 0 and holds rank 0's shard; collectives move nothing), CUDA graphs
+(``mode="reduce-overhead"``). Models: Hugging Face causal LMs with random weights, sharded by their
+own ``tp_plan`` (``weave_compile.testing.hf``), ``model.model`` called on ``[1, T]`` token ids
+(prefill shape, no cache), ``--layers`` decoder layers at Llama-3-8B or 70B dims. The default
+architectures cover every site form the passes rewrite: ``llama`` (all_reduce -> +residual ->
+RMSNorm), ``granite`` (the sum scaled by the residual multiplier), ``gemma2`` (offset weight
+``(1 + w)``, sandwich norms: all_reduce -> norm -> +residual), ``llama_bias`` (a row-parallel bias
+added after the all_reduce; Qwen2's biases are on q/k/v, column-parallel, so its sites are plain
+ones: ``--archs qwen2`` runs it too) and ``mixtral`` (the experts' all_reduce after their weighted
+sum).
+
+Variants, each timed against ``default`` (plain Inductor, the same model, its all_reduce as
+written) on the same model in the same rounds:
+
+* ``default``     ``torch.compile(mode="reduce-overhead", dynamic=True)``
+* ``nccl``, ``reference``, ``ce``   ``backend="tokenweave"`` with that ``kernel`` forced, dynamic T:
+  every fused site must run it (checked; anything else stops the variant). ``ce`` runs its local
+  program (``testing.fake_comm`` "local": the add+norm kernel and local copies, no transfer).
+  ``reference``/``ce`` only on ``--impl-archs`` (default llama): they are not what a user gets.
+* ``auto``        ``kernel="auto"``; on the fake group no symmetric-memory design can run and none is
+  measured across GPUs, so every site gets the GPU fallback's choice: ``nccl`` or the site as written
+  (``kernels/auto.py``).
+* ``fallback``    ``kernel="multimem"`` forced where it cannot run (no multicast here): the GPU
+  fallback of a forced design, the same choice as ``auto`` here (``--fallback-archs``, default llama).
+
+``kernel`` in the CSV is what ran, from ``explain()``: the implementation(s) of the fused sites and
+``as written`` for sites left alone. The choice ``auto`` and ``fallback`` make depends on T (the
+floor: ``nccl`` where it was measured at least 2% faster, else as written), so they are compiled
+per bucket of T with one decision: ``T=1`` static (decode; Dynamo specializes size 1 anyway), the
+others ``mark_dynamic(min=, max=)`` over the bucket (the pass reads the range). Every other
+variant is one dynamic compile (plus T=1). ``--floor measured`` (default): per dims, every
+architecture's implementations are timed first, the floor table is made from those rows by
+``make_auto_table.floor_table`` (the function that makes the committed one from floor.csv) and
+installed in this process, then ``auto`` and ``fallback`` are compiled and timed on it beside a
+fresh ``default``: the rows show the choice the committed table will make once regenerated from
+this CSV. ``--floor committed`` times them on ``kernels/auto_table.py`` as it is (one pass).
+
+Timing: per T, every variant's first calls (compile, CUDA-graph recording), then ``--rounds``
+rounds of warm-up + ``--repeats`` x ``--iters`` back-to-back calls, the order reversed every other
+round (the GPU's speed drifts during a run), median per variant; ``spread`` is (max - min) /
+median over the rounds. ``ms_per_layer`` = per forward / ``--layers`` (the embedding and the final
+norm amortized in).
+
+``--decode`` (README's Hugging Face form): ``generate()`` with a static cache and
+``CompileConfig(backend="tokenweave", options={"mode": "reduce-overhead"})``, batch 1, greedy, on
+Llama at ``--decode-dims``, against the same model compiled by plain Inductor (``reduce-overhead``).
+Tokens must be equal: the lm_head is replicated (its all_gather would leave half the logits
+undefined on the fake group) and the fused op's collectives behave as the fake group's all_reduce
+does for plain Inductor (``fake_group.identity_collectives``: what that proves and what not is
+said there). Variants ``default``, ``auto`` (at T=1: the floor's choice) and ``nccl`` (forced, the
+fused op at every site). ``ms_per_step`` is a decode step (``generate`` of 40 new tokens minus 8,
+per token: host work of ``generate`` included, as a user sees it).
+
+``--ops``: the local part of the designs ``auto`` would take on two GPUs, where the harness can:
+one call of the op alone at the same T and H, ``p2p`` and ``ce`` over 2 ranks emulated on this GPU
+(both ranks' traffic on one GPU's HBM, peers' rows local: an upper bound of one GPU's share, no
+NVLink), ``nccl``'s add+norm on its half of the rows, and Inductor's compiled add+RMSNorm on all
+rows (the local work of a site as written). What only two GPUs settle: the wire (NCCL's all_reduce
+against reduce-scatter + all-gather, p2p's NVLink stores, ce's copy-engine transfers and flags),
+hence every choice between them; ``--comm nccl`` under torchrun runs the model variants there.
+
+Output: ``<out>/floor.csv`` (``floor_smoke.csv`` with ``--smoke``), written after every point, and a
+PNG of each variant's ratio to default per T, one panel per dims. ``--keep CSV``: rows of an earlier
+run for (dims, arch) this run does not measure stay in the file (run 8B and 70B as two commands).
+Budget flags: ``--archs``, ``--dims``, ``--tokens``, ``--variants``, ``--layers``, ``--rounds``.
+A point that hangs ends the run after ``--watchdog-s`` with every thread's stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import csv
+import faulthandler
+import logging
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from common import Timer, meta as run_meta, write_csv  # noqa: E402  (keeps NVLink multicast off)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+COLUMNS = ["gpu", "comm", "world_size", "scope", "arch", "dims", "hidden", "layers", "T", "variant", "kernel",
+           "ms_per_layer", "ratio_vs_default", "spread", "ms_per_step", "tokens_equal", "source_hash", "note",
+           "torch", "triton", "git_commit", "date"]
+ARCHS = ("llama", "granite", "gemma2", "llama_bias", "mixtral")
+TOKENS = (1, 16, 128, 512, 1024, 4096, 8192, 16384)
+IMPLEMENTATIONS = ("nccl", "reference", "ce")  # forced designs that can run on the fake group
+VARIANTS = ("default",) + IMPLEMENTATIONS + ("auto", "fallback")
+UNAVAILABLE = "multimem"  # forced by ``fallback``: no multicast on these machines, nor on a fake group
+AS_WRITTEN = "as written"
+#: --smoke: small dims of every arch (hf.make_config overrides over the "tiny" preset)
+SMOKE = dict(hidden_size=1024, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+             vocab_size=4096, max_position_embeddings=4096)
+HIDDEN = {"8b": 4096, "70b": 8192, "smoke": SMOKE["hidden_size"]}
+
+log = logging.getLogger("bench_floor")
+
+
+class VariantError(RuntimeError):
+    """A variant would time something other than its name says."""
+
+
+# ----------------------------------------------------------------------------- models
+
+
+class Decoder(torch.nn.Module):
+    """A causal LM's decoder stack called on token ids, prefill-shaped (no cache); one per variant,
+    the weights shared (Dynamo keeps one cache entry per wrapper and backend)."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.decoder = lm.model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.decoder(input_ids=ids, use_cache=False).last_hidden_state
+
+
+def build(arch: str, dims: str, layers: int, dev: torch.device, dtype=torch.bfloat16, tp: bool = True):
+    from weave_compile.testing import hf
+
+    if dims == "smoke":
+        return hf.build_model(arch, "tiny", layers=layers, tp=tp, seed=0, dtype=dtype, device=dev, **SMOKE)
+    return hf.build_model(arch, dims, layers=layers, tp=tp, seed=0, dtype=dtype, device=dev)
+
+
+def token_ids(t: int, vocab: int, dev: torch.device, batch: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + t)
+    return torch.randint(0, vocab, (batch, t), generator=g).to(dev)
+
+
+# ----------------------------------------------------------------------------- what ran
+
+
+class Watch(logging.Handler):
+    """Run-time fallbacks of the fused op (it logs a warning once per kind)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.fallbacks: list[str] = []
+        logging.getLogger("weave_compile.ops.allreduce_rmsnorm").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "fell back" in record.getMessage():
+            self.fallbacks.append(record.getMessage())
+
+
+def site_label(sites) -> str:
+    """What the sites of a compile ran: their implementations, and ``as written`` for the others."""
+    counts = collections.Counter(s.kernel if s.fused else AS_WRITTEN for s in sites)
+    return "+".join(k if len(counts) == 1 else f"{k} x{n}" for k, n in sorted(counts.items())) or "-"
+
+
+def check_sites(variant: str, sites, expect: Optional[str]) -> None:
+    """Forced implementations: every fused site runs it, no site was left as written by the fallback."""
+    if expect is None:
+        return
+    fused = [s for s in sites if s.fused]
+    if not fused:
+        raise VariantError(f"{variant}: no site fused ({[s.reason[:120] for s in sites][:3]})")
+    other = sorted({s.kernel for s in fused if s.kernel != expect})
+    if other:
+        why = next(s.kernel_reason for s in fused if s.kernel != expect)
+        raise VariantError(f"{variant}: sites run {other}, not {expect}: {why[:300]}")
+    left = [s.reason for s in sites if not s.fused and s.reason.startswith("left as written")]
+    if left:
+        raise VariantError(f"{variant}: sites left as written by the fallback: {left[0][:300]}")
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def timer(repeats: int) -> Callable[[Callable, int], float]:
+    """Median per-call microseconds of ``fn`` over ``iters`` back-to-back calls: CUDA events
+    (common.Timer; the compiled model replays its own CUDA graphs), or wall time on CPU (dry runs)."""
+    if torch.cuda.is_available():
+        return Timer(repeats, warmup=2, graph=False)
+
+    def cpu(fn, iters):
+        fn()
+        out = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            out.append((time.perf_counter() - start) * 1e6 / iters)
+        return statistics.median(out)
+
+    return cpu
+
+
+class Run:
+    """The run's options, device, rows and CSV."""
+
+    def __init__(self, args, dev: torch.device, fake):
+        import weave_compile
+
+        self.args, self.dev, self.fake = args, dev, fake
+        self.rows: list[dict] = []
+        self.kept: list[dict] = []
+        self.failed: list[str] = []
+        self.watch = Watch()
+        self.time = timer(args.repeats)
+        self.meta = dict(run_meta(dev if dev.type == "cuda" else None), comm=args.comm,
+                         world_size=dist.get_world_size())
+        self.rank = dist.get_rank()
+        self.path = os.path.join(args.out, "floor_smoke.csv" if args.smoke else "floor.csv")
+        self.pkg = os.path.dirname(weave_compile.__file__)
+        self._hash: dict[str, str] = {}
+
+    def source_hash(self, label: str) -> str:
+        """The fingerprint of the one design that ran (make_auto_table.DESIGN_SOURCES), "" for the
+        plain graph or a mix of designs."""
+        import make_auto_table
+
+        designs = make_auto_table.designs_of(label) & set(make_auto_table.DESIGNS)
+        if len(designs) != 1:
+            return ""
+        design = designs.pop()
+        if design not in self._hash:
+            self._hash[design] = make_auto_table.source_fingerprint(design, self.pkg)
+        return self._hash[design]
+
+    def write(self) -> None:
+        if self.rank == 0:
+            write_csv(self.path, self.kept + self.rows, COLUMNS)
+
+    def skipped(self, what: str, e: BaseException) -> None:
+        if not self.args.keep_going:
+            raise e
+        self.failed.append(f"{what}: {type(e).__name__}: {e}")
+        print(f"SKIPPED {what}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+
+
+# ----------------------------------------------------------------------------- compiling the variants
+
+
+def options_for(run: Run, kernel: str) -> dict:
+    opts = {"kernel": kernel, "mode": run.args.mode}
+    if run.dev.type != "cuda":
+        opts = {"kernel": kernel, "compiler": "aot_eager"}  # dry run on CPU: the passes, no Inductor
+    return opts
+
+
+def compile_variant(run: Run, lm, variant: str):
+    """The compiled callable of ``variant`` (compiling happens at its first calls)."""
+    wrapper = Decoder(lm)
+    if variant == "default":
+        if run.dev.type != "cuda":
+            return torch.compile(wrapper, backend="aot_eager", dynamic=True)
+        return torch.compile(wrapper, mode=run.args.mode, dynamic=True)
+    kernel = {"auto": "auto", "fallback": UNAVAILABLE}.get(variant, variant)
+    # auto / fallback: static T unless the input is marked dynamic over its bucket (see the module doc)
+    dynamic = False if variant in ("auto", "fallback") else True
+    return torch.compile(wrapper, backend="tokenweave", dynamic=dynamic, options=options_for(run, kernel))
+
+
+def buckets(run: Run, hidden: int, tokens: list[int]) -> dict[int, Optional[tuple[int, int]]]:
+    """Per T, the range of T with the same GPU-fallback decision it is compiled for (None: static)."""
+    from weave_compile import kernels
+    from weave_compile.kernels import auto
+
+    def decide(t: int) -> bool:
+        site = kernels.Site(device=torch.device("cuda", 0), dtype=torch.bfloat16, residual_dtype=torch.bfloat16,
+                            out_dtype=torch.bfloat16, hidden=hidden, group_name="-",
+                            world_size=dist.get_world_size(), num_tokens=t)
+        return auto.floor_verdict(kernels.gpu_fallback().name, site)[0]
+
+    out: dict[int, Optional[tuple[int, int]]] = {1: None} if 1 in tokens else {}
+    run_: list[int] = []
+    for t in sorted(t for t in tokens if t > 1) + [None]:
+        if run_ and (t is None or decide(t) != decide(run_[0])):
+            for u in run_:
+                out[u] = (run_[0], run_[-1]) if len(run_) > 1 else None
+            run_ = []
+        if t is not None:
+            run_.append(t)
+    return out
+
+
+def on_gpu_policy(run: Run) -> bool:
+    """Whether the GPU policy applies (forced designs run themselves, nothing runs ``reference``
+    unforced): on CUDA; off GPUs every design falls back to reference (a dry run checks plumbing)."""
+    return run.dev.type == "cuda"
+
+
+def first_calls(run: Run, variant: str, c, x: torch.Tensor) -> str:
+    """``variant``'s first calls at this T (compile, warm-up, CUDA-graph recording), checked; what ran."""
+    import weave_compile
+
+    before = len(weave_compile.explain().graphs)
+    calls = run.fake.calls if run.fake is not None else 0
+    run.watch.fallbacks.clear()
+    with torch.no_grad():
+        for _ in range(3):  # reduce-overhead: warm-up, record, replay
+            c(x)
+    if run.dev.type == "cuda":
+        torch.cuda.synchronize()
+    if run.watch.fallbacks:
+        raise VariantError(f"{variant}: a fused op fell back at run time: {run.watch.fallbacks[0]}")
+    if variant == "default":
+        return "default"
+    graphs = weave_compile.explain().graphs[before:]
+    label = getattr(c, "_floor_label", None)
+    if graphs:
+        sites = [s for g in graphs for s in g.sites]
+        forced = variant in IMPLEMENTATIONS or variant in ("p2p", "oneshot")
+        # Off GPUs every forced design falls back to reference (a dry run checks the plumbing only).
+        check_sites(variant, sites, variant if forced and on_gpu_policy(run) else None)
+        label = site_label(sites)
+        if on_gpu_policy(run) and not forced and "reference" in label:
+            raise VariantError(f"{variant}: a site runs the eager reference chain on the GPU: {label}")
+        c._floor_label = label
+        if any(g.as_written for g in graphs):
+            raise VariantError(f"{variant}: graphs run as written (ranks disagreed): {graphs[0].as_written[:200]}")
+    if variant == "ce" and run.fake is not None and run.fake.calls == calls:
+        raise VariantError("ce: the fake ce entry was never called")
+    return label or "?"
+
+
+def time_point(run: Run, arch: str, dims: str, t: int, live: dict, x_for: Callable[[str], torch.Tensor],
+               labels: dict) -> None:
+    """Time ``live`` (variant -> compiled) at ``t`` in rounds; a row per variant."""
+    args = run.args
+    times = {v: [] for v in live}
+    order = list(live)
+    # Calls per timing: up to --iters, fewer where one call is long (~25 ms of calls per timing).
+    start = time.perf_counter()
+    with torch.no_grad():
+        live["default"](x_for("default"))
+    if run.dev.type == "cuda":
+        torch.cuda.synchronize()
+    iters = max(2, min(args.iters, math.ceil(25.0 / max(1e-3, (time.perf_counter() - start) * 1e3))))
+    for r in range(args.rounds):
+        for v in (order if r % 2 == 0 else order[::-1]):
+            c, x = live[v], x_for(v)
+            run.watch.fallbacks.clear()
+            with torch.no_grad():
+                times[v].append(run.time(lambda: c(x), iters))
+            if run.watch.fallbacks:
+                raise VariantError(f"{v}: a fused op fell back at run time: {run.watch.fallbacks[0]}")
+    base = statistics.median(times["default"]) if "default" in times else None
+    for v in order:
+        us = statistics.median(times[v])
+        ms = us / 1e3 / args.layers
+        ratio = us / base if base else None
+        spread = (max(times[v]) - min(times[v])) / us
+        run.rows.append({**run.meta, "scope": "model", "arch": arch, "dims": dims, "hidden": HIDDEN[dims],
+                         "layers": args.layers, "T": t, "variant": v, "kernel": labels[v], "ms_per_layer": f"{ms:.4f}",
+                         "ratio_vs_default": f"{ratio:.4f}" if ratio else "", "spread": f"{spread:.3f}",
+                         "ms_per_step": "", "tokens_equal": "", "source_hash": run.source_hash(labels[v]),
+                         "note": ""})
+        if run.rank == 0:
+            print(f"{arch:10s} {dims:4s} T={t:6d} {v:10s} {ms:8.4f} ms/layer"
+                  + (f"  {ratio:.3f}x default" if ratio else "") + f"  spread {100 * spread:.1f}%  [{labels[v]}]",
+                  flush=True)
+    run.write()
+
+
+def measure(run: Run, arch: str, dims: str, variants: list[str], tokens: list[int],
+            bucket_of: Optional[dict] = None) -> None:
+    """Build ``arch`` at ``dims``, compile ``variants``, and time them at every T."""
+    import weave_compile
+
+    args = run.args
+    torch._dynamo.reset()
+    weave_compile.reset()
+    start = time.monotonic()
+    try:
+        lm = build(arch, dims, args.layers, run.dev)
+    except (RuntimeError, torch.OutOfMemoryError) as e:  # e.g. a plan the installed transformers cannot apply
+        run.skipped(f"{arch} {dims}: building the model", e)
+        return
+    vocab = lm.config.vocab_size
+    compiled = {v: compile_variant(run, lm, v) for v in variants}
+    if run.rank == 0:
+        print(f"== {arch} {dims}: built in {time.monotonic() - start:.1f} s; variants {variants}", flush=True)
+    dead: set = set()
+    for t in tokens:
+        base_x = token_ids(t, vocab, run.dev)
+        inputs = {}
+        for v in variants:
+            x = base_x.clone()
+            span = (bucket_of or {}).get(t) if v in ("auto", "fallback") else None
+            if span is not None:
+                torch._dynamo.mark_dynamic(x, 1, min=span[0], max=span[1])
+            inputs[v] = x
+        live, labels = {}, {}
+        faulthandler.dump_traceback_later(args.watchdog_s, exit=True)
+        try:
+            for v in variants:
+                if v in dead:
+                    continue
+                t0 = time.monotonic()
+                try:
+                    labels[v] = first_calls(run, v, compiled[v], inputs[v])
+                except (VariantError, RuntimeError, torch.OutOfMemoryError) as e:
+                    dead.add(v)
+                    run.skipped(f"{arch} {dims} {v} from T={t} on", e)
+                    continue
+                live[v] = compiled[v]
+                if run.rank == 0 and time.monotonic() - t0 > 2:
+                    print(f"   {v} at T={t}: first calls {time.monotonic() - t0:.1f} s", flush=True)
+            if "default" in live and len(live) > 1:
+                try:
+                    time_point(run, arch, dims, t, live, inputs.__getitem__, labels)
+                except (VariantError, RuntimeError, torch.OutOfMemoryError) as e:
+                    run.skipped(f"{arch} {dims} T={t} timing", e)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+    del compiled, lm
+    if run.dev.type == "cuda":
+        torch.cuda.empty_cache()
+    if run.rank == 0:
+        print(f"== {arch} {dims}: {time.monotonic() - start:.1f} s", flush=True)
+
+
+# ----------------------------------------------------------------------------- the floor in this process
+
+
+def install_measured_floor(run: Run, dims: str) -> None:
+    """The floor table made from this run's rows at ``dims``, as make_auto_table.py makes the
+    committed one from floor.csv, installed for this process's auto."""
+    import make_auto_table
+
+    from weave_compile.kernels import auto, auto_table
+
+    rows = [r for r in run.rows if r["dims"] == dims]
+    table, source = make_auto_table.floor_table(rows, lambda design, row: True)  # this run's code
+    auto_table.FLOOR = {**auto_table.FLOOR, **table}
+    auto_table.FLOOR_SOURCE = f"this run: {source}"
+    if run.rank == 0:
+        print(f"floor measured at {dims}: {table} (tables digest {auto.tables_digest()})", flush=True)
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+class StopAfter:
+    """A stopping criterion: stop once ``n`` tokens are in the sequence (no shape changes: the static
+    cache keeps the size of ``max_new_tokens``)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.n, dtype=torch.bool,
+                          device=input_ids.device)
+
+
+def decode(run: Run, dims: str) -> None:
+    """README's generate() form on the fake group: tokens vs plain Inductor, ms per decode step."""
+    import fake_group
+    from transformers import CompileConfig, StoppingCriteriaList
+
+    import weave_compile
+
+    args = run.args
+    torch._dynamo.reset()
+    weave_compile.reset()
+    lm = build("llama", dims, args.layers, run.dev)
+    if args.comm == "fake":  # sharded, its all_gather would leave half the logits undefined
+        lm.lm_head = build("llama", dims, args.layers, run.dev, tp=False).lm_head
+    prompt, long, short = 16, args.decode_tokens, 8
+    ids = token_ids(prompt, lm.config.vocab_size, run.dev, batch=args.decode_batch)
+    gen = dict(do_sample=False, cache_implementation="static", max_new_tokens=long, pad_token_id=0)
+    if run.dev.type == "cuda":
+        configs = {"default": CompileConfig(backend="inductor", fullgraph=True, dynamic=False, mode="reduce-overhead")}
+        tw = dict(backend="tokenweave", fullgraph=True, dynamic=False, mode=None)
+        mode = {"mode": "reduce-overhead"}
+    else:  # dry run: transformers compiles decode steps on GPUs only unless told
+        configs = {"default": CompileConfig(backend="aot_eager", fullgraph=True, dynamic=False, mode=None)}
+        tw = dict(backend="tokenweave", fullgraph=True, dynamic=False, mode=None)
+        mode = {"compiler": "aot_eager"}
+    configs["auto"] = CompileConfig(**tw, options={**mode, "kernel": "auto"})
+    configs["nccl"] = CompileConfig(**tw, options={**mode, "kernel": "nccl"})
+    for cc in configs.values():
+        cc._compile_all_devices = True
+    results = {}
+    # On the fake group the fused op computes what the fake all_reduce gives plain Inductor (fake_group.py).
+    identity = fake_group.identity_collectives if args.comm == "fake" else contextlib.nullcontext
+    for variant, cc in configs.items():
+        torch._dynamo.reset()
+        before = len(weave_compile.explain().graphs)
+        dynamo_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        try:
+            with identity(), torch.no_grad():
+                for n in (long, short):  # compiles, records; the short run's stop criterion too
+                    lm.generate(ids, compile_config=cc, min_new_tokens=n, **gen)
+                warm = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+                steps = []
+                for _ in range(3):
+                    t_long = _timed(run, lambda: lm.generate(ids, compile_config=cc, min_new_tokens=long, **gen))
+                    t_short = _timed(run, lambda: lm.generate(
+                        ids, compile_config=cc, min_new_tokens=short,
+                        stopping_criteria=StoppingCriteriaList([StopAfter(prompt + short)]), **gen))
+                    steps.append((t_long - t_short) / (long - short))
+                out = lm.generate(ids, compile_config=cc, min_new_tokens=long, **gen)
+            if torch._dynamo.utils.counters["stats"]["unique_graphs"] != warm:
+                raise VariantError("generate() compiled again while timed (a recompile per step?)")
+        except Exception as e:  # noqa: BLE001 - one variant's failure is reported, the others still run
+            run.skipped(f"decode {variant}", e)
+            continue
+        graphs = weave_compile.explain().graphs[before:]
+        sites = [s for g in graphs for s in g.sites]
+        compiled_any = torch._dynamo.utils.counters["stats"]["unique_graphs"] > dynamo_graphs
+        if not compiled_any or (variant != "default" and not graphs):
+            run.skipped(f"decode {variant}", VariantError("generate() compiled no graph (it would time eager)"))
+            continue
+        if variant == "nccl" and on_gpu_policy(run):
+            try:
+                check_sites(variant, sites, "nccl")
+            except VariantError as e:
+                run.skipped(f"decode {variant}", e)
+                continue
+        label = "default" if variant == "default" else site_label(sites)
+        results[variant] = (out[:, prompt:].cpu(), statistics.median(steps), label)
+    ref = results.get("default")
+    for variant, (tokens, step_ms, label) in results.items():
+        equal = "" if ref is None else str(bool(torch.equal(tokens, ref[0])))
+        ratio = "" if ref is None else f"{step_ms / ref[1]:.4f}"
+        run.rows.append({**run.meta, "scope": "decode", "arch": "llama", "dims": dims, "hidden": HIDDEN[dims],
+                         "layers": args.layers, "T": args.decode_batch, "variant": variant, "kernel": label,
+                         "ms_per_layer": f"{step_ms / args.layers:.4f}", "ratio_vs_default": ratio, "spread": "",
+                         "ms_per_step": f"{step_ms:.4f}", "tokens_equal": equal, "source_hash": run.source_hash(label),
+                         "note": f"generate(), static cache, batch {args.decode_batch}, {long} new tokens"
+                                 + ("; identity collectives (fake_group.py)" if args.comm == "fake" else "")})
+        if run.rank == 0:
+            print(f"decode {variant:8s} {step_ms:8.3f} ms/step  tokens equal to default: {equal or '-'}  [{label}]",
+                  flush=True)
+        if equal == "False":
+            run.failed.append(f"decode {variant}: tokens differ from plain Inductor's")
+    run.write()
+
+
+def _timed(run: Run, fn) -> float:
+    if run.dev.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if run.dev.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
+# ----------------------------------------------------------------------------- the op alone
+
+
+def ops(run: Run, dims: str, tokens: list[int]) -> None:
+    """The local part of each design at (T, H): one op call alone (module doc)."""
+    from weave_compile.kernels.ce import copy_engine as ce
+    from weave_compile.kernels.shared import addnorm
+    from weave_compile.kernels.spec import FusedSpec, Rows
+    from weave_compile.testing.emulated_ranks import EmulatedRanks, push_allreduce_rmsnorm
+
+    if run.dev.type != "cuda":
+        print("ops: CUDA only (emulated ranks, Triton kernels): skipped", flush=True)
+        return
+    H, N, dt = HIDDEN[dims], 2, torch.bfloat16
+    eps = 1e-5
+
+    @torch.compile(dynamic=True)
+    def plain(x, residual, weight):
+        h = (x + residual).float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(dt) * weight
+
+    for t in [t for t in tokens if t >= N]:
+        S = math.ceil(t / N)
+        g = torch.Generator(device=run.dev).manual_seed(t)
+        xs = [torch.randn(t, H, device=run.dev, generator=g).to(dt) for _ in range(N)]
+        res_sh = [torch.randn(S, H, device=run.dev, generator=g).to(dt) for _ in range(N)]
+        full_res = torch.randn(t, H, device=run.dev, generator=g).to(dt)
+        weight = torch.randn(H, device=run.dev, generator=g).to(dt)
+        normed, res_out = torch.empty(S, H, device=run.dev, dtype=dt), torch.empty(S, H, device=run.dev, dtype=dt)
+        spec = FusedSpec(residual_dtype=dt, out_dtype=dt, eps=eps, residual_in_sharded=True,
+                         residual_out_sharded=True, comm_ctas=run.args.comm_ctas)
+        cases: dict[str, tuple[Callable, str]] = {
+            "plain:add+norm": (lambda: plain(xs[0], full_res, weight), "Inductor's add+RMSNorm on all T rows"),
+            "nccl:add+norm": (lambda: addnorm.add_rmsnorm_rows(
+                xs[0][:S], None, res_sh[0], None, weight, None, normed, res_out, n_valid=S, eps=eps, mid_dtype=None,
+                weight_offset=0.0, num_ctas=addnorm.ctas_for(spec, S)), "its add+norm on this rank's T/2 rows"),
+        }
+        try:
+            pr = EmulatedRanks.create(N, H, t, dtype=dt, device=run.dev)
+            outs = push_allreduce_rmsnorm(pr, xs, res_sh, None, weight, residual_in_sharded=True,
+                                          residual_out_sharded=True, comm_ctas=spec.comm_ctas)
+            cases["p2p:emulated"] = (lambda: push_allreduce_rmsnorm(
+                pr, xs, res_sh, None, weight, residual_in_sharded=True, residual_out_sharded=True,
+                comm_ctas=spec.comm_ctas, outputs=outs), "whole op, 2 ranks emulated on this GPU")
+        except Exception as e:  # noqa: BLE001 - reported, the other designs still run
+            run.skipped(f"ops p2p T={t}", e)
+        if ce.unavailable_reason() is None:
+            wss = ce.emulated_workspaces(N, S, H, (dt, dt, dt), device=run.dev, poison=False)
+            streams = [torch.cuda.Stream() for _ in range(N)]
+            rank_rows = [Rows(xs[r], res_sh[r], None, weight) for r in range(N)]
+            cases["ce:emulated"] = (lambda: ce.emulated_run(wss, rank_rows, spec, streams),
+                                    "whole op, 2 ranks emulated on this GPU")
+        else:
+            print(f"ops ce: {ce.unavailable_reason()}", flush=True)
+        times = {}
+        for name, (fn, _) in cases.items():
+            try:
+                times[name] = Timer(run.args.repeats, warmup=3, graph=True)(fn, max(run.args.iters, 10))
+            except Exception as e:  # noqa: BLE001
+                run.skipped(f"ops {name} T={t}", e)
+        base = times.get("plain:add+norm")
+        for name, us in times.items():
+            design = name.split(":")[0]
+            run.rows.append({**run.meta, "scope": "op", "arch": "-", "dims": dims, "hidden": H, "layers": "",
+                             "T": t, "variant": name, "kernel": design if design != "plain" else "default",
+                             "ms_per_layer": f"{us / 1e3:.4f}", "ratio_vs_default": f"{us / base:.4f}" if base else "",
+                             "spread": "", "ms_per_step": "", "tokens_equal": "",
+                             "source_hash": run.source_hash(design), "note": cases[name][1]})
+            if run.rank == 0:
+                print(f"op T={t:6d} H={H} {name:16s} {us:9.1f} us" + (f"  {us / base:.2f}x plain" if base else ""),
+                      flush=True)
+        run.write()
+
+
+# ----------------------------------------------------------------------------- plot
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    model = [r for r in rows if r["scope"] == "model" and r["ratio_vs_default"]]
+    dims = sorted({r["dims"] for r in model}) or ["-"]
+    fig, axes = plt.subplots(1, len(dims), figsize=(6.5 * len(dims), 4.5), squeeze=False)
+    for ax, d in zip(axes[0], dims):
+        curves = {(r["arch"], r["variant"]) for r in model if r["dims"] == d and r["variant"] != "default"}
+        for (arch, v) in sorted(curves):
+            pts = sorted((int(r["T"]), float(r["ratio_vs_default"])) for r in model
+                         if r["dims"] == d and r["arch"] == arch and r["variant"] == v)
+            style = {"auto": "o-", "fallback": "s--", "nccl": "^:", "reference": "x:", "ce": "d:"}.get(v, ".-")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{arch} {v}", markersize=4)
+        ax.axhline(1.0, color="k", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("T (tokens, batch 1, prefill shape)")
+        ax.set_ylabel("ms per layer / plain Inductor's")
+        ax.set_title(f"{d} dims", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, ncol=2)
+    meta = rows[0]
+    fig.suptitle(f"floor: {meta['gpu']}, {meta['comm']} group of {meta['world_size']}, {meta['git_commit']}, "
+                 f"torch {meta['torch']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print("wrote", path)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="small dims, llama, T=64, every part: catch errors "
+                    "(writes floor_smoke.csv)")
+    ap.add_argument("--comm", choices=("fake", "nccl"), default="fake",
+                    help="fake: one GPU, fake process group (default); nccl: under torchrun, 2 GPUs")
+    ap.add_argument("--dims", help="comma list of 8b, 70b (default both; '' for none: --decode alone)")
+    ap.add_argument("--archs", help=f"comma list of weave_compile.testing.hf.ARCHS (default {','.join(ARCHS)})")
+    ap.add_argument("--tokens", help=f"comma list (default {','.join(map(str, TOKENS))})")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma list of {', '.join(VARIANTS)} (and p2p, oneshot with --comm nccl)")
+    ap.add_argument("--impl-archs", default="llama", help="archs that also time reference and ce ('all': every one)")
+    ap.add_argument("--fallback-archs", default="llama", help="archs that also time fallback ('all': every one)")
+    ap.add_argument("--floor", choices=("measured", "committed"), default="measured",
+                    help="auto/fallback on the floor measured by this run (default) or on kernels/auto_table.py")
+    ap.add_argument("--layers", type=int, help="decoder layers (default 2)")
+    ap.add_argument("--mode", default="reduce-overhead")
+    ap.add_argument("--comm-ctas", type=int, default=32, help="--ops: CTAs of the designs' kernels")
+    ap.add_argument("--rounds", type=int, help="default 3")
+    ap.add_argument("--iters", type=int, help="calls per timing, at most (default 5; fewer where a call is long)")
+    ap.add_argument("--repeats", type=int, help="timings per round (default 3)")
+    ap.add_argument("--decode", action="store_true", help="also the generate() decode check and its step time")
+    ap.add_argument("--decode-dims", default="8b")
+    ap.add_argument("--decode-batch", type=int, default=1)
+    ap.add_argument("--decode-tokens", type=int, help="new tokens of the long generate() (>= 16; default 40)")
+    ap.add_argument("--ops", action="store_true", help="also the op alone on emulated ranks (the designs' local part)")
+    ap.add_argument("--keep", default="", help="CSV of an earlier run: its rows for (dims, arch) not measured now stay")
+    ap.add_argument("--keep-going", action="store_true", default=True,
+                    help="a variant that fails is listed and skipped, the others still run (default)")
+    ap.add_argument("--stop-on-error", dest="keep_going", action="store_false")
+    ap.add_argument("--watchdog-s", type=float, default=420.0, help="end the run when one T of one arch takes longer")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = ap.parse_args(argv)
+    defaults = dict(dims="8b,70b", archs=",".join(ARCHS), tokens=",".join(map(str, TOKENS)), layers=2, rounds=3,
+                    iters=5, repeats=3, decode_tokens=40)
+    if args.smoke:  # what is not given explicitly
+        defaults.update(dims="smoke", archs="llama", tokens="64", layers=1, rounds=1, iters=2, repeats=2,
+                        decode_tokens=16)
+        args.decode_dims, args.decode, args.ops = "smoke", True, True
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.dims = [d for d in args.dims.split(",") if d]
+    args.archs = [a for a in args.archs.split(",") if a]
+    args.tokens = sorted({int(t) for t in args.tokens.split(",") if t})
+    args.variants = [v for v in args.variants.split(",") if v]
+    for d in args.dims + ([args.decode_dims] if args.decode else []):
+        if d not in HIDDEN:
+            ap.error(f"--dims: {d!r} is not one of 8b, 70b")
+    from weave_compile.testing import hf
+
+    bad = [a for a in args.archs if a not in hf.ARCHS]
+    if bad:
+        ap.error(f"--archs: {bad} not in {sorted(hf.ARCHS)}")
+    allowed = set(VARIANTS) | ({"p2p", "oneshot"} if args.comm == "nccl" else set())
+    if set(args.variants) - allowed or "default" not in args.variants:
+        ap.error(f"--variants: {sorted(set(args.variants) - allowed) or 'default missing'}; allowed: {sorted(allowed)}")
+    if args.comm == "nccl" and args.floor == "measured":
+        args.floor = "committed"  # the floor is the local part: measured on the fake group only
+    if args.decode and args.decode_tokens < 16:
+        ap.error("--decode-tokens must be >= 16")
+    return args
+
+
+def variants_for(args, arch: str, phase: str) -> list[str]:
+    """The variants timed for ``arch`` in ``phase`` ("impl": implementations, "auto": the choices, "all")."""
+    impl_all = args.impl_archs == "all" or arch in args.impl_archs.split(",")
+    fb_all = args.fallback_archs == "all" or arch in args.fallback_archs.split(",")
+    out = []
+    for v in args.variants:
+        if v in ("reference", "ce", "p2p", "oneshot") and not impl_all:
+            continue
+        if v == "fallback" and not fb_all:
+            continue
+        if phase == "impl" and v in ("auto", "fallback"):
+            continue
+        if phase == "auto" and v not in ("default", "auto", "fallback"):
+            continue
+        out.append(v)
+    return out
+
+
+def setup(args) -> torch.device:
+    if args.comm == "nccl":
+        dist.init_process_group("nccl")
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+        torch.cuda.set_device(dev)
+        return dev
+    import fake_group
+
+    return fake_group.init(2)
+
+
+def keep_row(args, row: dict) -> bool:
+    """Whether a row of ``--keep``'s CSV stays: what this run does not measure again."""
+    scope = row.get("scope")
+    if scope == "model":
+        return (row.get("dims"), row.get("arch")) not in {(d, a) for d in args.dims for a in args.archs}
+    if scope == "op":
+        return not (args.ops and row.get("dims") in args.dims)
+    if scope == "decode":
+        return not args.decode
+    return False
+
+
+def measure_all(run: Run, args) -> None:
+    """Decode first (a few compiles: not starved by a time limit), then per dims: the
+    implementations, the floor they make, auto and fallback on it, the op alone."""
+    if args.decode:
+        decode(run, args.decode_dims)
+    for dims in args.dims:
+        if args.floor == "measured":
+            for arch in args.archs:
+                measure(run, arch, dims, variants_for(args, arch, "impl"), args.tokens)
+            install_measured_floor(run, dims)
+            phase = "auto"
+        else:
+            phase = "all"
+        bucket_of = buckets(run, HIDDEN[dims], args.tokens)
+        if run.rank == 0:
+            print(f"auto/fallback compiled per T bucket at {dims}: {bucket_of}", flush=True)
+        for arch in args.archs:
+            vs = variants_for(args, arch, phase)
+            if len(vs) > 1:
+                measure(run, arch, dims, vs, args.tokens, bucket_of)
+        if args.ops:
+            ops(run, dims, args.tokens)
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    dev = setup(args)
+    logging.basicConfig(level=logging.WARNING)
+    for name in ("recompile_limit", "cache_size_limit"):  # one code object, many variants and buckets
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    from weave_compile.testing import fake_comm
+
+    fake = fake_comm.install("local") if args.comm == "fake" and dev.type == "cuda" else None
+    run = Run(args, dev, fake)
+    if args.keep and os.path.exists(args.keep):
+        with open(args.keep) as f:
+            measured = {(d, a) for d in args.dims for a in args.archs}
+            run.kept = [{c: r.get(c, "") for c in COLUMNS} for r in csv.DictReader(f) if keep_row(args, r)]
+    if run.rank == 0:
+        print(f"floor: {run.meta['gpu']}, {args.comm} group of {run.meta['world_size']}, commit "
+              f"{run.meta['git_commit']}, dims {args.dims}, archs {args.archs}, T {args.tokens}, "
+              f"{args.layers} layers, {args.rounds} rounds; {fake.describe() if fake else 'no fake ce'}", flush=True)
+    start = time.monotonic()
+    try:
+        measure_all(run, args)
+    except KeyboardInterrupt:  # a time limit's SIGINT: every point measured so far is in the CSV
+        print("interrupted: the CSV holds every point measured so far", flush=True)
+        run.failed.append("interrupted before the end")
+    finally:
+        run.write()
+        if fake is not None:
+            fake_comm.uninstall()
+    if run.rank == 0:
+        print(f"wrote {run.path} ({len(run.rows)} rows, {time.monotonic() - start:.0f} s)", flush=True)
+        summarize(run.rows)
+        try:
+            plot(run.kept + run.rows, run.path[:-4] + ".png")
+        except Exception as e:  # noqa: BLE001 - the CSV is the result
+            print("plot skipped:", e)
+    dist.destroy_process_group()
+    if run.failed:
+        raise SystemExit("not timed (they would have timed something else, or failed):\n  " + "\n  ".join(run.failed))
+
+
+def summarize(rows: list[dict]) -> None:
+    """The target: auto and fallback at <= 1.00x plain Inductor at every T and arch; the misses."""
+    miss = [r for r in rows if r["scope"] == "model" and r["variant"] in ("auto", "fallback") and r["ratio_vs_default"]
+            and float(r["ratio_vs_default"]) > 1.0]
+    n = sum(r["scope"] == "model" and r["variant"] in ("auto", "fallback") for r in rows)
+    print(f"summary: {n - len(miss)} of {n} auto/fallback points at <= 1.00x plain Inductor")
+    for r in miss:
+        print(f"  over: {r['arch']} {r['dims']} T={r['T']} {r['variant']} {r['ratio_vs_default']}x "
+              f"(spread {r['spread']}) [{r['kernel']}]")
+
+
+if __name__ == "__main__":
+    main()

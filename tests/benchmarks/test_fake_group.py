@@ -1,0 +1,59 @@
+"""benchmarks/fake_group.py: the fused op's collectives as the fake group's all_reduce gives them to
+plain Inductor (its input is the sum), against the float64 oracle with one rank's partials; on CPU
+the add+norm runs its torch path."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+from tests.passes.test_fuse_allreduce_rmsnorm_graphs import group  # noqa: F401  (a fake 2-rank group)
+from weave_compile.kernels.reference import allreduce_add_rmsnorm_ref
+from weave_compile.kernels.spec import FusedSpec, Rows
+from weave_compile.testing.numerics import rel_err
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+import fake_group  # noqa: E402
+
+sys.path.pop(0)
+
+
+@pytest.mark.parametrize("T,sharded_in,sharded_out", [(7, False, False), (7, False, True), (1, True, True),
+                                                      (2, False, True)])
+def test_identity_run_is_the_site_as_written_under_the_fake_all_reduce(group, seed, T, sharded_in,  # noqa: F811
+                                                                       sharded_out):
+    H = 48
+    g = torch.Generator().manual_seed(seed)
+    x, res, w = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g), torch.randn(H, generator=g)
+    S = math.ceil(T / 2)
+    spec = FusedSpec(residual_dtype=torch.float32, out_dtype=torch.float32, eps=1e-6, group_name=group,
+                     residual_in_sharded=sharded_in, residual_out_sharded=sharded_out)
+    normed, res_out = fake_group.identity_run(Rows(x, res[:S] if sharded_in else res, None, w), spec)
+    want_n, want_r = allreduce_add_rmsnorm_ref([x], res, None, w, eps=1e-6)  # one partial: x is the sum
+    assert rel_err(normed, want_n) < 1e-5
+    if sharded_out:
+        assert res_out.shape == (S, H) and rel_err(res_out[:min(S, T)], want_r[:min(S, T)]) < 1e-5
+        assert not res_out[T:].any()
+    else:
+        assert rel_err(res_out, want_r) < 1e-5
+
+
+def test_a_sharded_residual_beyond_rank_0s_rows_is_refused(group):  # noqa: F811
+    spec = FusedSpec(residual_dtype=torch.float32, out_dtype=torch.float32, eps=1e-6, group_name=group,
+                     residual_in_sharded=True, residual_out_sharded=True)
+    with pytest.raises(fake_group.OutsideIdentityMode, match="rank 0's 2 of 3 rows"):
+        fake_group.identity_run(Rows(torch.randn(3, 8), torch.randn(2, 8), None, None), spec)
+
+
+def test_identity_collectives_swaps_the_gpu_fallback_for_the_block():
+    from weave_compile.kernels import registry
+
+    before = registry.get("nccl")
+    with fake_group.identity_collectives():
+        assert registry.get("nccl").run is fake_group.identity_run
+        assert registry.get("nccl").gpu_fallback and registry.get("nccl").check is before.check
+    assert registry.get("nccl") is before
