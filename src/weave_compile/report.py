@@ -83,7 +83,7 @@ class GraphReport:
     as_written: str = ""
     #: what the caller compiled this graph for (e.g. "decode batch=8"), shown after its id
     label: str = ""
-    #: what merging sibling linears did (``passes.merge_sibling_linears``), "" if it did not run
+    #: what merging sibling linears did (``passes.split_tokens.merge_projections``), "" if it did not run
     projections: str = ""
     #: all-gathers that are no fused site's (e.g. a vocab-parallel output's logits), by node name
     other_gathers: list[str] = dataclasses.field(default_factory=list)

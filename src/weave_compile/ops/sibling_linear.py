@@ -8,7 +8,7 @@ GEMM's fixed cost again: +10% GEMM time at Llama-8B TP=2, T=2048, against +2% me
 
 The GEMM reads the stacked weights in place when they are one buffer: ``W_{i+1}`` starts where
 ``W_i`` ends in the same storage, each contiguous (the pass that puts this op into graphs,
-:mod:`weave_compile.passes.merge_sibling_linears`, re-points the parameters so). The op checks
+:mod:`weave_compile.passes.split_tokens.merge_projections`, re-points the parameters so). The op checks
 that at every call, on the pointers (no GPU work), because a user may replace a parameter after
 the compile: then the weights are stacked by a copy (correct, slower) and a warning says which.
 Biases likewise. ``sibling_linear_ref`` is the plain per-linear computation.
