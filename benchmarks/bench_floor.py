@@ -23,7 +23,7 @@ written) on the same model in the same rounds:
 * ``default``     ``torch.compile(mode="reduce-overhead", dynamic=True)``
 * ``nccl``, ``reference``, ``ce``   ``backend="tokenweave"`` with that ``kernel`` forced, dynamic T:
   every fused site must run it (checked; anything else stops the variant). ``ce`` runs its local
-  program (``testing.fake_comm`` "local": the add+norm kernel and local copies, no transfer).
+  program (``benchmarks/fake_comm.py`` "local": the add+norm kernel and local copies, no transfer).
   ``reference``/``ce`` only on ``--impl-archs`` (default llama): they are not what a user gets.
 * ``auto``        ``kernel="auto"``; on the fake group no symmetric-memory design can run and none is
   measured across GPUs, so every site gets the GPU fallback's choice: ``nccl`` or the site as written
@@ -133,7 +133,7 @@ class Decoder(torch.nn.Module):
 
 
 def build(arch: str, dims: str, layers: int, dev: torch.device, dtype=torch.bfloat16, tp: bool = True):
-    from weave_compile.testing import hf
+    import hf_models as hf
 
     if dims == "smoke":
         return hf.build_model(arch, "tiny", layers=layers, tp=tp, seed=0, dtype=dtype, device=dev, **SMOKE)
@@ -719,7 +719,7 @@ def parse(argv=None):
     for d in args.dims + ([args.decode_dims] if args.decode else []):
         if d not in HIDDEN:
             ap.error(f"--dims: {d!r} is not one of 8b, 70b")
-    from weave_compile.testing import hf
+    import hf_models as hf
 
     bad = [a for a in args.archs if a not in hf.ARCHS]
     if bad:
@@ -806,7 +806,7 @@ def main(argv=None) -> None:
     for name in ("recompile_limit", "cache_size_limit"):  # one code object, many variants and buckets
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 64)
-    from weave_compile.testing import fake_comm
+    import fake_comm
 
     fake = fake_comm.install("local") if args.comm == "fake" and dev.type == "cuda" else None
     run = Run(args, dev, fake)

@@ -22,7 +22,7 @@ a static graph per T:
   where nothing measured prefers a design: kernels/auto.py; its kernel column then says so)
 * ``tokenweave/D``  ``backend="tokenweave"``, ``kernel=D``: ``nccl`` (functional collectives and
   the shared add+norm kernel), ``ce`` (its own program on rank 0's rows with every transfer and
-  flag left out: ``weave_compile.testing.fake_comm``'s local mode)
+  flag left out: ``benchmarks/fake_comm.py``'s local mode)
 
 A tokenweave variant stops the run where a site was not fused, where a site runs another design
 than the one asked for, or where the fused op fell back at run time: it would time something else.
@@ -153,7 +153,7 @@ def main() -> None:
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     import weave_compile
-    from weave_compile.testing import fake_comm
+    import fake_comm
     from weave_compile.testing.sequence_parallel import expected_sequence_parallel_sites
 
     variants = args.variants.split(",")

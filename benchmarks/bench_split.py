@@ -35,7 +35,7 @@ way. Every fused site of such a variant must run that design (checked, see below
 ``benchmarks/check_2gpu.sh`` runs this on two GPUs for ``p2p``, ``ce`` and ``reference``.
 
 One GPU, no peers (PyTorch's fake process group: ``FakeStore``, backend "fake", world size 2, this
-process is rank 0 and holds rank 0's shard; ``weave_compile.testing.fake_comm``):
+process is rank 0 and holds rank 0's shard; ``benchmarks/fake_comm.py``):
 
 * ``--fake-comm``: the product's own cost with communication free. The fused op runs the ``ce``
   design's own program on rank 0's rows with every transfer and flag left out (the add+norm kernel,
@@ -128,7 +128,7 @@ def build(dims: str, layers: int, comm: bool, dev, merged: bool = False, hf_arch
     from weave_compile.testing.models import LlamaDims, TPLlama
 
     if hf_arch:  # sharded by its own tp_plan (DTensor parameters), the same seed for every variant
-        from weave_compile.testing import hf
+        import hf_models as hf
 
         if not comm or merged:
             raise SystemExit("--hf: the variants fused and split only, the model's own layout (no --merged)")
@@ -309,7 +309,7 @@ def main() -> None:
 
     rank, dev = setup(bool(fake_mode))
     import weave_compile
-    from weave_compile.testing import fake_comm
+    import fake_comm
     from weave_compile.testing.kernel_counts import compiled_launches, pointwise
 
     fake = None

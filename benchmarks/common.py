@@ -18,6 +18,7 @@ import datetime
 import os
 import statistics
 import subprocess
+import sys
 
 # No benchmark needs NVLink multicast, and running it can take shared GPUs out of service:
 # keep torch, NCCL and NVSHMEM from creating it, before torch is imported by the caller.
@@ -28,6 +29,8 @@ import torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
+# The Hugging Face model zoo lives beside the example that builds its models (examples/hf_models.py).
+sys.path.insert(1, os.path.join(os.path.dirname(HERE), "examples"))
 
 
 def commit() -> str:

@@ -121,7 +121,7 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> dict:
 
     import weave_compile
     from weave_compile import backward_hooks
-    from weave_compile.testing.hf import build_model, expected_fused_sites, prompt, without_all_reduce
+    from hf_models import build_model, expected_fused_sites, prompt, without_all_reduce
 
     backward_hooks.install(inductor)
 
@@ -200,7 +200,7 @@ def _decode(rank, model, args, base, reports, cuda, timing, step, steps) -> list
     import contextlib
 
     import transformers
-    from weave_compile.testing.hf import ARCHS, prompt, without_all_reduce
+    from hf_models import ARCHS, prompt, without_all_reduce
 
     cfg, device = model.config, next(model.parameters()).device
     ctx_len = args.decode_context
@@ -401,7 +401,7 @@ def _write_decode(rows: list[dict], args: argparse.Namespace) -> None:
 
 def _parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     from weave_compile.config import Options
-    from weave_compile.testing.hf import ARCHS, SIZES
+    from hf_models import ARCHS, SIZES
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", choices=sorted(ARCHS), default="llama")

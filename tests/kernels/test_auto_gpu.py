@@ -1,6 +1,6 @@
 """On one GPU, a real site whose forced design cannot run gets compiled work, never the eager chain.
 
-The fake process group (rank 0 of 2) and ``testing.fake_comm`` "local" (under which the
+The fake process group (rank 0 of 2) and ``benchmarks/fake_comm.py`` "local" (under which the
 symmetric-memory designs refuse fake groups): ``kernel="p2p"`` cannot run, so every site of a
 compiled TP Llama gets the GPU fallback's choice (``kernels/auto.py``): ``nccl`` where the floor
 measured it faster at that T, the site as written where it did not. The numbers are compared with
@@ -31,6 +31,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600, method="thread"),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+import fake_comm  # noqa: E402
 import fake_group  # noqa: E402
 
 sys.path.pop(0)
@@ -81,7 +82,6 @@ def test_a_forced_design_that_cannot_run_gets_the_compiled_fallback_on_a_gpu(gro
                                                                              nccl_ratio, want):
     import weave_compile
     from weave_compile.kernels import auto_table
-    from weave_compile.testing import fake_comm
     from weave_compile.testing.numerics import rel_err
 
     monkeypatch.setattr(auto_table, "FLOOR", {(2, H): {16: {"nccl": nccl_ratio}, 128: {"nccl": nccl_ratio}}})

@@ -16,7 +16,7 @@ import torch
 
 def save(arch: str, path: str, *, layers: int, seed: int) -> str:
     """``save_pretrained`` of a tiny random ``arch`` model (``seed``) into ``path``; returns ``path``."""
-    from weave_compile.testing.hf import build_model
+    from examples.hf_models import build_model
 
     model = build_model(arch, layers=layers, seed=seed, tp=False)
     model.generation_config.pad_token_id = 0  # generate() without a tokenizer
@@ -33,7 +33,7 @@ def load_tp(path: str, world_size: int, dtype: torch.dtype = torch.float32):
     """
     from transformers import AutoConfig, AutoModelForCausalLM, DistributedConfig
 
-    from weave_compile.testing.hf import ARCHS
+    from examples.hf_models import ARCHS
 
     plan = "auto"
     config = AutoConfig.from_pretrained(path)

@@ -37,7 +37,7 @@ def _decode_rank(rank, world, path):
     from transformers import CompileConfig
 
     import weave_compile
-    from weave_compile.testing.hf import expected_fused_sites, is_sharded, prompt
+    from examples.hf_models import expected_fused_sites, is_sharded, prompt
 
     model = checkpoints.load_tp(path, world)
     assert is_sharded(model), "from_pretrained with DistributedConfig(tp_plan='auto') left the model unsharded"

@@ -41,7 +41,7 @@ def readme_snippet() -> str:
 
 def _rank(rank, world, path, code, seed):
     import weave_compile
-    from weave_compile.testing.hf import expected_fused_sites, prompt
+    from examples.hf_models import expected_fused_sites, prompt
 
     ids = prompt(2, 7, 128, seed)
     names = {"path": path, "world_size": world, "ids": ids}

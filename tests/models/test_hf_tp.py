@@ -58,7 +58,7 @@ from typing import Optional
 import pytest
 import torch
 
-from weave_compile.testing.hf import ARCHS
+from examples.hf_models import ARCHS
 from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
 
 from . import checkpoints
@@ -135,7 +135,7 @@ def _summary(graphs) -> dict:
     import weave_compile
     from torch._dynamo.utils import counters
 
-    from weave_compile.testing.hf import excerpt
+    from weave_compile.testing.pass_graphs import excerpt
 
     import transformers
 
@@ -162,8 +162,10 @@ def _prefill(path: str, seed: int, compiler: str, unsharded: bool, mode: str = "
     """The checkpoint loaded as users load it, compiled whole under ``mode`` (no_grad or inference_mode)."""
     from torch.distributed.tensor import DTensor
 
-    from weave_compile.testing.hf import (capture_pass_graphs, expected_all_reduces, expected_fused_sites,
-                                          is_sharded, prompt, vocab_parallel_embedding)
+    from examples.hf_models import (expected_all_reduces, expected_fused_sites, is_sharded, prompt,
+                                    vocab_parallel_embedding)
+
+    from weave_compile.testing.pass_graphs import capture_pass_graphs
 
     model = checkpoints.load_tp(path, WORLD)
     ids = prompt(BATCH, TOKENS, model.config.vocab_size, seed)
@@ -192,7 +194,9 @@ def _decode(path: str, seed: int) -> dict:
     """Prefill eagerly into two identical static caches; two decode steps, eager vs compiled."""
     import transformers
 
-    from weave_compile.testing.hf import capture_pass_graphs, prompt
+    from examples.hf_models import prompt
+
+    from weave_compile.testing.pass_graphs import capture_pass_graphs
 
     model = checkpoints.load_tp(path, WORLD)
     vocab = model.config.vocab_size
@@ -217,7 +221,7 @@ def _decode(path: str, seed: int) -> dict:
 
 def _nocomm(path: str, seed: int) -> dict:
     """The "nocomm" variant used by examples/hf_tp.py: no all_reduce left, and it is not the model."""
-    from weave_compile.testing.hf import prompt, without_all_reduce
+    from examples.hf_models import prompt, without_all_reduce
 
     model = checkpoints.load_tp(path, WORLD)  # gemma2: both all_reduce paths, dist and DTensor
     ids = prompt(BATCH, TOKENS, model.config.vocab_size, seed)

@@ -50,7 +50,7 @@ def count_split_kernels(device: torch.device, tokens: int = 256, dynamic: bool =
     import torch.distributed as dist
 
     import weave_compile
-    from weave_compile.testing.hf import capture_pass_graphs
+    from weave_compile.testing.pass_graphs import capture_pass_graphs
     from weave_compile.testing.models import LlamaDims, TPLlama
 
     d = LlamaDims(layers=layers, hidden=256, heads=8, kv_heads=2, intermediate=512, vocab=128)

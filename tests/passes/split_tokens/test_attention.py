@@ -11,7 +11,7 @@ from .helpers import THRESHOLD, graph_after_passes
 
 def _hf(rank, world_size, seed):
     import weave_compile
-    from weave_compile.testing import hf
+    from examples import hf_models as hf
     from weave_compile.testing.numerics import rel_err
 
     model = hf.build_model("llama", "tiny", layers=2, seed=seed % 1000)
@@ -47,7 +47,7 @@ def _additive_masks(rank, world_size, seed):
     float16's lowest value (what torch hands cuDNN for a boolean mask: the form a bf16 model's
     mask takes on a GPU), and at -1000 (above what the check accepts as masked: must fail loudly)."""
     import weave_compile
-    from weave_compile.testing import hf
+    from examples import hf_models as hf
     from weave_compile.testing.numerics import rel_err
 
     model = hf.build_model("llama", "tiny", layers=2, seed=seed % 1000)

@@ -19,7 +19,8 @@ GEMM = re.compile(r"torch\.ops\.aten\.(mm|addmm|bmm)\.default")
 def _count(rank, world_size, arch, seed):
     import weave_compile
     from weave_compile.ops import FUSED_OP
-    from weave_compile.testing.hf import build_model, capture_pass_graphs, prompt
+    from examples.hf_models import build_model, prompt
+    from weave_compile.testing.pass_graphs import capture_pass_graphs
     from weave_compile.testing.numerics import rel_err
 
     model = build_model(arch, "tiny", seed=seed)

@@ -169,7 +169,7 @@ def test_each_group_left_alone_says_why(seed):
 
 def _hf_tp_plan(rank, world_size, seed, compiler):
     import weave_compile
-    from weave_compile.testing import hf
+    from examples import hf_models as hf
     from weave_compile.testing.numerics import rel_err
 
     model = hf.build_model("llama", "tiny", layers=2, tp=True, seed=seed)

@@ -24,7 +24,7 @@ the fused op (its dispatch, the split's streams, CUDA graphs) stays the product'
     both from ``copy_engine.build_program`` on ``copy_engine.emulated_workspaces`` (both ranks'
     regions are ordinary allocations on this GPU): rank 0's stream waits resolve when the peer's
     signals would come. Every cross-GPU copy (rank 0's push and pull, the peer's push and pull) is
-    a local copy followed by a :class:`~weave_compile.testing.pacing.Pace` (a PCIe copy, no SM), so
+    a local copy followed by a :class:`pacing.Pace` (a PCIe copy, no SM), so
     that both last as long as the transfer over NVLink at ``link_gbps`` (default 370 GB/s per
     direction: copy engines between two NVLink-4 GPUs). The peer's add+norm kernel does not run: a
     Pace on its stream lasts what rank 0's kernel takes by the model ``bytes / (GB/s per CTA x
@@ -80,8 +80,8 @@ from weave_compile.kernels.shared import addnorm
 from weave_compile.kernels.shared.outside_pool import run_outside_graph_pool
 from weave_compile.kernels.spec import FusedSpec, Rows
 
-from . import pacing
-from .pacing import D2H, H2D, Calibration, Pace, Pacer
+import pacing
+from pacing import D2H, H2D, Calibration, Pace, Pacer
 
 log = logging.getLogger(__name__)
 
@@ -409,7 +409,7 @@ class FakeComm:
 
 
 _active: Optional[FakeComm] = None
-NOT_EMULATED = "not emulated on the fake process group (testing.fake_comm emulates ce only)"
+NOT_EMULATED = "not emulated on the fake process group (benchmarks/fake_comm.py emulates ce only)"
 #: Designs that run on the process group's own collectives: the fake group answers them.
 ON_COLLECTIVES = ("nccl",)
 

@@ -1,4 +1,4 @@
-"""GPU tests of testing/fake_comm.py and testing/pacing.py on ONE GPU.
+"""GPU tests of benchmarks/fake_comm.py and benchmarks/pacing.py on ONE GPU.
 
 Checked: the calibrated copy lines are plausible (PCIe and HBM rates, latencies of microseconds);
 a Pace lasts what it is to last, eagerly and replayed from a CUDA graph; ``local``: rank 0's rows
@@ -30,8 +30,9 @@ from tests.kernels.ce.test_copy_engine import TOL
 from tests.passes.test_fuse_allreduce_rmsnorm_graphs import group  # noqa: F401  (a fake 2-rank group)
 from weave_compile.kernels.reference import allreduce_add_rmsnorm_ref
 from weave_compile.kernels.spec import FusedSpec, Rows
-from weave_compile.testing import fake_comm, pacing
-from weave_compile.testing.fake_comm import FakeComm, Rehearsal
+import fake_comm
+import pacing
+from fake_comm import FakeComm, Rehearsal
 from weave_compile.testing.graphs import capture
 from weave_compile.testing.numerics import rel_err
 

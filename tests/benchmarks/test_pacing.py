@@ -1,4 +1,4 @@
-"""Tests for testing/pacing.py on the CPU: the copy lines, their fit and the Pace arithmetic.
+"""Tests for benchmarks/pacing.py on the CPU: the copy lines, their fit and the Pace arithmetic.
 
 The copies themselves (calibration, a Pace's measured length, capture) run in
 tests/testing/test_fake_comm_gpu.py.
@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from weave_compile.testing import pacing
-from weave_compile.testing.pacing import D2H, H2D, Calibration, Line, fit_line
+import pacing
+from pacing import D2H, H2D, Calibration, Line, fit_line
 
 CAL = Calibration(d2d=Line(2.0, 1800.0), h2d=Line(3.0, 50.0), d2h=Line(4.0, 45.0))
 

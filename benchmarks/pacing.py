@@ -10,7 +10,7 @@ that local copy + Pace last ``latency_of_a_local_copy + link_latency + n / link_
 :class:`Pacer` owns the pinned and device buffers and enqueues Paces (``cuMemcpyHtoDAsync`` /
 ``cuMemcpyDtoHAsync``: capturable in CUDA graphs, since the host side is pinned).
 
-Why PCIe copies: the one-GPU rehearsal (:mod:`weave_compile.testing.fake_comm`) must make a copy
+Why PCIe copies: the one-GPU rehearsal (``benchmarks/fake_comm.py``) must make a copy
 take as long as NVLink would and the emulated peer's add+norm as long as rank 0's, without using
 this GPU's SMs. Any kernel that stays resident beside cuBLAS's persistent GEMMs delays them about
 8.5% whatever its size (docs/performance.md, section 3), so a spin kernel cannot time anything

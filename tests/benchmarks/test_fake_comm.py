@@ -1,4 +1,4 @@
-"""Tests for testing/fake_comm.py on the CPU: what each mode keeps, drops and paces, and the results.
+"""Tests for benchmarks/fake_comm.py on the CPU: what each mode keeps, drops and paces, and the results.
 
 The programs are the ``ce`` design's own (``copy_engine.build_program`` on emulated workspaces),
 transformed; they run here in the ``ce`` CPU simulation (tests/kernels/ce/test_copy_engine.py:
@@ -22,9 +22,9 @@ from weave_compile.kernels.ce import copy_engine as ce
 from weave_compile.kernels.reference import allreduce_add_rmsnorm_ref
 from weave_compile.kernels.registry import Site
 from weave_compile.kernels.spec import FusedSpec, Rows
-from weave_compile.testing import fake_comm
-from weave_compile.testing.fake_comm import FakeComm, Rehearsal
-from weave_compile.testing.pacing import D2H, H2D, Calibration, Line, Pace
+import fake_comm
+from fake_comm import FakeComm, Rehearsal
+from pacing import D2H, H2D, Calibration, Line, Pace
 
 CAL = Calibration(d2d=Line(2.0, 1800.0), h2d=Line(3.0, 50.0), d2h=Line(4.0, 45.0))
 #: PCIe latencies far below these tests' transfers (a few KB), so that every transfer gets a Pace
