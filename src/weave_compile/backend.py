@@ -47,18 +47,12 @@ def tokenweave_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
         log.info("tokenweave: no process group; compiling with plain %s", config.compiler)
         return _compile(gm, example_inputs, config, None, inductor_patches)
     passes = WeavePassManager(config, config.compiler)
-    merged = None
-    if config.split and config.merge_projections:
-        from weave_compile.passes.split_tokens.merge_projections import merge_sibling_linears
-
-        merged = merge_sibling_linears(gm, example_inputs, min_rows=config.split_threshold)
-        passes.projections = merged.describe()
+    passes.prepare(gm, example_inputs)
     as_written = _as_written(gm, example_inputs, config, inductor_patches)
     strict = agreement.first_compile_of_frame()
     with agreement.compiling():
         compiled = _compile(gm, example_inputs, config, passes, inductor_patches)
-    if merged is not None:
-        merged.repoint()  # after the compile: see merge_sibling_linears
+    passes.after_compile()
     reports = passes.graph_reports
     brk = graph_break(gm)
     if brk is not None:

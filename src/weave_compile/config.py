@@ -25,15 +25,18 @@ import types
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from weave_compile.kernels.spec import DEFAULT_COMM_CTAS, MAX_CTAS
+from weave_compile.passes.split_tokens.options import SplitCost, SplitOptions
+
+__all__ = ["Compiler", "Mode", "Options", "SplitCost", "TokenWeaveConfig", "valid_kernels"]
 
 Compiler = Literal["inductor", "aot_eager"]
-SplitCost = Literal["measured", "formula"]
 Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
-    """Options of the ``tokenweave`` backend, checked when built (README.md lists them).
+class Options(SplitOptions):
+    """Options of the ``tokenweave`` backend, checked when built (README.md lists them). The
+    token split's own (``split``, ``split_threshold``, ...) are :class:`SplitOptions`' fields.
 
     ``dataclasses.replace(opts, split=False)`` gives a changed copy, checked again.
     """
@@ -43,42 +46,21 @@ class Options:
     #: Keep the residual stream sharded by token rows between fused sites whose only
     #: consumer of the residual is the next fused site.
     shard_residual: bool = True
-    #: Implementation of the fused op: ``auto`` (the policy of ``kernels/auto.py``: a preferred
-    #: design where it can run, else the fastest design measured for the world size, token count
-    #: and split, else by capability) or the name of a registered implementation
-    #: (``weave_compile.kernels.names()``), which forces it. A forced implementation that cannot
-    #: run falls back to the fallback implementation with the reason in ``explain()``.
+    #: Implementation of the fused op: ``auto`` (the policy of ``kernels/auto.py``: a design only
+    #: where a measurement on today's kernels says it beats the plain graph, else the site as
+    #: written) or the name of a registered implementation (``weave_compile.kernels.names()``),
+    #: which forces it. A forced implementation that cannot run falls back, with the reason in
+    #: ``explain()`` (on a GPU to compiled work or the site as written, ``kernels/auto.py``).
     kernel: str = "auto"
     #: Let the ``p2p`` kernel leave its normed output in the symmetric output ring where the
     #: peers pushed it (no copy of their rows), wherever the ``output`` pass proves every reader
     #: runs before the ring slot is written again; elsewhere it is copied out as before, with the
     #: reason in ``explain()``. Off by default until its GPU tests have run (docs/performance.md).
     output_in_place: bool = False
-    #: Thread blocks the fused communication kernel may occupy (1-32). 32 measured fastest on
-    #: 2x H200 at every T >= 512 without overlap (docs/performance.md); TokenWeave uses 2-8
-    #: while overlapping.
+    #: Thread blocks the fused communication may occupy beside other work (1-32; the barrier
+    #: kernels' signal-pad budget): the most, the fastest where the op runs alone
+    #: (docs/performance.md, section 2); TokenWeave uses 2-8 while overlapping.
     comm_ctas: int = DEFAULT_COMM_CTAS
-    #: Split each layer into a token prefix and suffix whose fused communication runs on a
-    #: second, high-priority stream while the other half computes (TokenWeave's overlap).
-    #: Off by default: on 2x H200 (p2p kernel, 32 SMs) it measured 3-14% slower than the fused
-    #: op alone at every token count (docs/performance.md).
-    split: bool = False
-    #: Fewest tokens (batch x sequence) for which the split is used; below it the fused op runs
-    #: unsplit. TokenWeave's value for dense models.
-    split_threshold: int = 1024
-    #: With the split on, linears that read one input (q/k/v, gate/up) run as one GEMM on their
-    #: weights re-pointed into one buffer (same values, no memory added): a half pays each small
-    #: GEMM's fixed cost again (Llama-8B TP=2 on one H200: split / fused 1.010 instead of 1.115 at
-    #: T=2048, docs/performance.md section 4). Inference only (grad mode off); ignored without
-    #: ``split``; ``False`` keeps the projections as written.
-    merge_projections: bool = True
-    #: Prefix length to use instead of the computed smart split (0: computed). For sweeps.
-    split_at: int = 0
-    #: SM count the SM formula plans GEMM waves for (0: the device's; 132 off-GPU).
-    num_sms: int = 0
-    #: What the smart split's GEMM times come from: ``measured`` (cuBLAS timed at compile time on
-    #: the GPU, cached on disk; the SM formula off-GPU) or ``formula`` (the SM-count formula).
-    split_cost: SplitCost = "measured"
     #: Inductor's mode, for when ``options=`` are given (torch.compile refuses ``mode=`` with
     #: them): "reduce-overhead" records CUDA graphs.
     mode: Mode = "default"
@@ -102,12 +84,7 @@ class Options:
             raise ValueError(f"tokenweave option 'kernel' must be one of {kernels}, got {self.kernel!r}")
         if self.comm_ctas < 1 or self.comm_ctas > MAX_CTAS:  # the kernels' signal-pad budget per channel
             raise ValueError(f"tokenweave option 'comm_ctas' must be in [1, {MAX_CTAS}], got {self.comm_ctas}")
-        if self.split_threshold < 2:
-            raise ValueError(f"tokenweave option 'split_threshold' must be >= 2 (two non-empty halves), "
-                             f"got {self.split_threshold}")
-        for name in ("split_at", "num_sms"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"tokenweave option {name!r} must be >= 0, got {getattr(self, name)}")
+        self.check_split()
         if not 0 < self.agreement_timeout_s < float("inf"):
             raise ValueError(f"tokenweave option 'agreement_timeout_s' must be a positive number of seconds, "
                              f"got {self.agreement_timeout_s}")

@@ -104,3 +104,20 @@ def test_a_registered_implementation_is_chosen_reported_and_dispatched(seed):
         assert runs == len(sites)  # one call per fused site and forward
         assert err < 1e-5, err
         assert poisoned  # the op returned what the dummy returned
+
+
+def test_options_check_a_kernel_name_without_loading_any_implementation():
+    """weave_compile.config and Options(...) import no kernel implementation (dependencies point
+    down: the registry knows the built-in names), yet the names are the registered ones."""
+    import subprocess
+    import sys
+
+    code = ("import sys, weave_compile; weave_compile.Options(kernel='nccl', split=True); "
+            "print(sorted(m for m in sys.modules if m.startswith('weave_compile.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    loaded = eval(out)
+    assert not [m for m in loaded if m.startswith("weave_compile.kernels.")
+                and m.split(".")[2] in registry.BUILTINS], loaded
+    assert not [m for m in loaded if m.startswith(("weave_compile.ops", "weave_compile.passes.split_tokens.split"))]
+    # the names known unloaded are those the modules register
+    assert tuple(e.name for e in registry.implementations()) == registry.BUILTINS == registry.names()

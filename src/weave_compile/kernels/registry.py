@@ -114,6 +114,11 @@ class Implementation:
 _IMPLEMENTATIONS: dict[str, Implementation] = {}
 _loaded = False
 
+#: The package's implementations, each the module of its name (``kernels/<name>``), in listing
+#: order (config errors, docs): the fallback first. Their names are known without importing them
+#: (:func:`names`: building ``Options`` checks a kernel name and loads no kernel).
+BUILTINS = ("reference", "p2p", "multimem", "oneshot", "ce", "nccl")
+
 
 def _load_builtins() -> None:
     """Register the package's implementations (once, on first use: their modules import triton)."""
@@ -121,11 +126,10 @@ def _load_builtins() -> None:
     if _loaded:
         return
     _loaded = True
-    from . import ce, multimem, nccl, oneshot, p2p, reference
+    import importlib
 
-    # The order implementations are listed in (config errors, docs): the fallback first.
-    for module in (reference, p2p, multimem, oneshot, ce, nccl):
-        register(module.IMPLEMENTATION)
+    for name in BUILTINS:
+        register(importlib.import_module(f"{__package__}.{name}").IMPLEMENTATION)
 
 
 def register(impl: Implementation) -> Implementation:
@@ -166,9 +170,9 @@ def get(name: str) -> Implementation:
 
 
 def names() -> tuple[str, ...]:
-    """Every registered implementation's name, in listing order."""
-    _load_builtins()
-    return tuple(_IMPLEMENTATIONS)
+    """Every registered implementation's name, in listing order; before anything loaded them,
+    the built-in ones' (:data:`BUILTINS`), without importing them."""
+    return tuple(_IMPLEMENTATIONS) if _loaded else BUILTINS
 
 
 def implementations() -> tuple[Implementation, ...]:

@@ -103,8 +103,9 @@ def _token_range(shape) -> Optional[tuple[int, Optional[int]]]:
     return max(0, finite(bounds.lower) or 0), finite(bounds.upper)
 
 
-def site_of(m: SiteMatch, config: TokenWeaveConfig) -> kernels.Site:
-    """What the choice and the reservation need to know of a matched site."""
+def site_of(m: SiteMatch, config: TokenWeaveConfig, split: bool = False) -> kernels.Site:
+    """What the choice and the reservation need to know of a matched site; ``split``: the graph's
+    split decision (:mod:`.split_tokens.decision`), made before this pass."""
     tx = val(m.collective.x)
     group = m.collective.group_name
     rows, hint = _hints(tx.shape[:-1])
@@ -114,9 +115,7 @@ def site_of(m: SiteMatch, config: TokenWeaveConfig) -> kernels.Site:
         hidden=int(tx.shape[-1]), group_name=group, world_size=group_size(group), num_tokens=rows, size_hint=hint,
         token_range=_token_range(tx.shape[:-1]),
         residual_in_dtype=val(m.residual).dtype if m.residual is not None else None,
-        # Whether the split will run here (the split pass decides later; its threshold is known;
-        # it leaves graphs with reduce-scatter sites alone).
-        split=config.split and not m.collective.scatters and (rows is None or rows >= config.split_threshold),
+        split=split,
         sequence_parallel=m.collective.scatters,
         has_scale=m.scale is not None,
         eps_on_device=isinstance(eps, fx.Node) and val(eps).device.type != "cpu",
@@ -140,7 +139,9 @@ class FuseAllReduceRMSNormPass(WeavePass):
         self.config = config
         self.matched_count = 0
 
-    def __call__(self, graph: fx.Graph) -> list[SiteReport]:
+    def __call__(self, graph: fx.Graph, split: bool = False) -> list[SiteReport]:
+        """Fuse every site; ``split``: whether the graph will be split (its decision), which the
+        choice of each site's design depends on."""
         fake_mode = fake_mode_of(graph)
         sites = reducing_sites(graph)
         by_name = {s.node: s for s in sites}
@@ -149,14 +150,14 @@ class FuseAllReduceRMSNormPass(WeavePass):
             try:
                 if group_size(collective_of(node).group_name) == 1:
                     raise NoMatch("group of size 1: nothing to reduce")
-                self._fuse(match_site(node, _same_ranks), site, fake_mode)
+                self._fuse(match_site(node, _same_ranks), site, fake_mode, split)
             except NoMatch as e:
                 site.reason = str(e)
                 log.info("tokenweave: %s not fused: %s", node.name, e)
         return sites
 
-    def _fuse(self, m: SiteMatch, site: SiteReport, fake_mode) -> None:
-        where = site_of(m, self.config)
+    def _fuse(self, m: SiteMatch, site: SiteReport, fake_mode, split: bool) -> None:
+        where = site_of(m, self.config, split)
         kernel, kernel_reason = auto.choose(self.config.kernel, where)
         if kernel == auto.AS_WRITTEN:
             raise NoMatch(f"left as written: {kernel_reason}")

@@ -47,6 +47,7 @@ from .fuse_allreduce_rmsnorm import FuseAllReduceRMSNormPass, reducing_sites
 from .merge_all_reduces import MergeAllReducesPass, annotate_merged
 from .output_in_place import OFF, OutputInPlacePass
 from .shard_residual import ShardResidualPass
+from .split_tokens.decision import SplitDecision, decide
 from .split_tokens.split import SplitTokensPass
 
 log = logging.getLogger(__name__)
@@ -64,13 +65,30 @@ class WeavePassManager(CustomGraphPass):
         #: ranks' first-call check
         self.comm_plans: list[dict] = []
         self.written_plans: list[dict] = []
-        #: what merging sibling linears did to the Dynamo graph (the backend runs it), for the reports
+        #: what the projection merge did to the Dynamo graph (:meth:`prepare`), for the reports
         self.projections = ""
+        self._merged = None
         self.merge = MergeAllReducesPass()
         self.fuse = FuseAllReduceRMSNormPass(config)
         self.split = SplitTokensPass(config)
         self.shard = ShardResidualPass()
         self.output = OutputInPlacePass()
+
+    def prepare(self, gm, example_inputs) -> None:
+        """The pre-pass on the Dynamo graph, before AOT autograd: with the split's
+        ``merge_projections``, sibling linears become one GEMM
+        (:mod:`.split_tokens.merge_projections`); :meth:`after_compile` finishes it."""
+        if self.config.split and self.config.merge_projections:
+            from .split_tokens.merge_projections import merge_sibling_linears
+
+            self._merged = merge_sibling_linears(gm, example_inputs, self.config)
+            self.projections = self._merged.describe()
+
+    def after_compile(self) -> None:
+        """What :meth:`prepare` leaves for after the compile: re-pointing the merged weights into
+        one buffer (done before, the compile would see parameters it did not trace)."""
+        if self._merged is not None:
+            self._merged.repoint()
 
     @property
     def passes(self) -> list[base.WeavePass]:
@@ -98,11 +116,13 @@ class WeavePassManager(CustomGraphPass):
         merges = self.merge(graph) if self.config.fuse else []
         report.merged = [len(m.merged) for m in merges]
         report.leaves = _leaving_before_norm(graph)
+        # The split is decided once, here, before the sites' designs are chosen for it.
+        decision = decide(graph, self.config) if self.config.fuse else SplitDecision(False, "fuse disabled by option")
         if self.config.fuse:
-            sites = annotate_merged(self.fuse(graph), merges)
+            sites = annotate_merged(self.fuse(graph, decision.applies), merges)
         else:
             sites = reducing_sites(graph, "fuse disabled by option")
-        split = self.split(graph) if self.config.split else SplitSummary(reason="split disabled by option")
+        split = self.split(graph, decision) if self.config.split else SplitSummary(reason=decision.reason)
         residual = self.shard(graph) if self.config.shard_residual else {}
         output = self.output(graph, *self._output_allowed())
         graph.lint()

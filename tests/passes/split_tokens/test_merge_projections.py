@@ -112,13 +112,15 @@ class _Siblings(torch.nn.Module):
         return a.sum(-1, keepdim=True) + (torch.nn.functional.silu(self.gate(h)) * self.up(h)).sum(-1, keepdim=True)
 
 
-def _compile_with_pass(model, x, min_rows=0):
+def _compile_with_pass(model, x, threshold=None):
     from weave_compile.passes.split_tokens.merge_projections import merge_sibling_linears
+    from weave_compile.passes.split_tokens.options import SplitOptions
 
     out = {}
 
     def backend(gm, example_inputs):
-        out["summary"] = merge_sibling_linears(gm, example_inputs, min_rows=min_rows)
+        options = None if threshold is None else SplitOptions(split=True, split_threshold=threshold)
+        out["summary"] = merge_sibling_linears(gm, example_inputs, options)
         out["code"] = gm.code
         return gm.forward
 
@@ -161,8 +163,8 @@ def test_each_group_left_alone_says_why(seed):
         _, summary, _ = _compile_with_pass(tied, x)
         # (named by the weight they read: both read gate's)
         assert summary.skipped == ["gate, gate (a weight or bias is shared with another linear)"], summary.skipped
-        _, summary, _ = _compile_with_pass(_Siblings(), x, min_rows=4)
-        assert all("3 rows < split_threshold=4" in s for s in summary.skipped) and not summary.merged
+        _, summary, _ = _compile_with_pass(_Siblings(), x, threshold=4)
+        assert all("3 tokens < split_threshold=4" in s for s in summary.skipped) and not summary.merged
     _, summary, _ = _compile_with_pass(_Siblings(), x)
     assert summary.describe().startswith("projections not merged: grad mode is on"), summary.describe()
 

@@ -128,7 +128,7 @@ def test_pointwise_rule_slices_a_full_operand_and_broadcasts_a_row(rw):
     sp = rules.apply(r, mul)
     assert [h.args[1] for h in sp.halves] == [n["row"], n["row"]]  # broadcast: read whole by both
     # clone is tagged pointwise and has no entry of its own: it takes the pointwise rule.
-    assert aten.clone.default not in rules.RULES and torch.Tag.pointwise in aten.clone.default.tags
+    assert aten.clone.default not in rules.TOKENWISE.entries and torch.Tag.pointwise in aten.clone.default.tags
     assert _shapes(rules.apply(r, _node(r, aten.clone.default, n["x"]))) == [(1, 3, 16), (1, 5, 16)]
 
 

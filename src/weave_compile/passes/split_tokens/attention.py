@@ -20,7 +20,7 @@ from weave_compile.ops import SUFFIX_ATTENTION
 
 from ..graph_utils import is_call, named_args, val
 from .plan import ATTENTION_OPS
-from .rules import rule
+from .rules import RuleSet
 from .values import Barrier, Split, SplitTuple, is_tensor_node, same
 
 if TYPE_CHECKING:
@@ -29,7 +29,11 @@ if TYPE_CHECKING:
 aten = torch.ops.aten
 
 
-@rule(*ATTENTION_OPS, tensor_result=False)
+#: The attention ops' rules (this module's).
+ATTENTION = RuleSet()
+
+
+@ATTENTION.rule(*ATTENTION_OPS, tensor_result=False)
 def attention(rw: Rewriter, n: fx.Node) -> SplitTuple:
     args = named_args(n)
     q, k, v = args["query"], args["key"], args["value"]

@@ -55,6 +55,10 @@ from torch.distributed.tensor import DTensor
 
 from weave_compile.ops.sibling_linear import SIBLING_LINEAR, stacked_view
 
+from .decision import below_threshold
+from .options import SplitOptions
+from .values import prod
+
 log = logging.getLogger(__name__)
 
 LINEARS = (torch._C._nn.linear, F.linear)
@@ -143,9 +147,11 @@ def _plain(t: Any) -> bool:
     return type(t) in (torch.Tensor, torch.nn.Parameter)
 
 
-def merge_sibling_linears(gm: fx.GraphModule, example_inputs: list[Any], min_rows: int = 0) -> MergeSummary:
-    """Rewrites ``gm`` in place (see the module docstring); ``min_rows``: a graph whose linears'
-    static row count is below it is left alone (the split does not run there)."""
+def merge_sibling_linears(gm: fx.GraphModule, example_inputs: list[Any],
+                          options: Optional[SplitOptions] = None) -> MergeSummary:
+    """Rewrites ``gm`` in place (see the module docstring); with the split's ``options``, a graph
+    whose linears' static row count is below their threshold is left alone (the split does not
+    run there: :func:`.decision.below_threshold`)."""
     summary = MergeSummary()
     if torch.is_grad_enabled():
         summary.reason = "grad mode is on (inference only: the merged GEMM has no autograd formula)"
@@ -163,7 +169,7 @@ def merge_sibling_linears(gm: fx.GraphModule, example_inputs: list[Any], min_row
         if len(lins) < 2:
             continue
         names = ", ".join(_name(lin) for lin in lins)
-        why = _why_not(lins, real, used, x, min_rows)
+        why = _why_not(lins, real, used, x, options)
         if why:
             summary.skipped.append(f"{names} ({why})")
             log.info("tokenweave: linears %s not merged: %s", names, why)
@@ -186,14 +192,14 @@ def merge_sibling_linears(gm: fx.GraphModule, example_inputs: list[Any], min_row
     return summary
 
 
-def _why_not(lins: list[_Linear], real: dict, used: set[int], x: fx.Node, min_rows: int) -> str:
+def _why_not(lins: list[_Linear], real: dict, used: set[int], x: fx.Node, options: Optional[SplitOptions]) -> str:
     xv = x.meta.get("example_value")
-    if isinstance(xv, torch.Tensor) and min_rows:
-        rows = 1
-        for d in xv.shape[:-1]:
-            rows *= d
-        if isinstance(rows, int) and rows < min_rows:
-            return f"{rows} rows < split_threshold={min_rows}: the split does not run here"
+    if isinstance(xv, torch.Tensor) and options is not None:
+        rows = prod(xv.shape[:-1])
+        # A static count only: a guard on the Dynamo graph's symbolic one would be the caller's.
+        few = below_threshold(rows, options) if isinstance(rows, int) else None
+        if few:
+            return f"{few}: the split does not run here"
     if any(isinstance(real.get(_to_local_of(lin.weight)), DTensor) for lin in lins):
         return DTENSOR_REASON
     weights = [_value(lin.weight, real) for lin in lins]

@@ -22,7 +22,7 @@ from weave_compile.report import SplitSummary
 
 from ..fuse_allreduce_rmsnorm import SITE_KEY
 from ..graph_utils import call_with_meta, fake_mode_of, is_call, named_args, val
-from . import attention, rules, schedule  # noqa: F401  (attention and schedule register their rules)
+from . import attention, rules, schedule
 from .plan import make_plan
 from .values import HALF_KEY, Barrier, Split, SplitTuple, batch_split, memory_order, nodes_in, same
 
@@ -54,6 +54,8 @@ class Rewriter:
         self.last_wait_b: Optional[fx.Node] = None
         self.checked_masks: set[fx.Node] = set()
         self.origin: Optional[fx.Node] = None  # the op whose halves are being built
+        #: every op's rule: the token-wise ops', attention's and the fused sites'
+        self.rules = rules.table(rules.TOKENWISE, attention.ATTENTION, schedule.FUSED_SITES)
 
     # ------------------------------------------------------------------------- node helpers
 

@@ -2,10 +2,11 @@
 
 A rule takes the :class:`.rewriter.Rewriter` and a node that reads a split value, and returns
 the node's :class:`.values.Split` (or :class:`.values.SplitTuple`), built from per-half copies;
-or raises :class:`.values.Barrier` when the op cannot run per half. :data:`RULES` maps each op
-to its rule (:func:`rule` registers one); an op without an entry that is tagged pointwise takes
-the pointwise rule, any other op is a barrier. :mod:`.attention` and :mod:`.schedule` register
-the attention ops' and the fused sites' rules.
+or raises :class:`.values.Barrier` when the op cannot run per half. A :class:`RuleSet` maps ops to
+their rules; this module's is :data:`TOKENWISE`, :mod:`.attention` and :mod:`.schedule` hold the
+attention ops' and the fused sites' sets, and the rewriter joins the three explicitly
+(:func:`table`). An op without an entry that is tagged pointwise takes the pointwise rule, any
+other op is a barrier.
 """
 
 from __future__ import annotations
@@ -38,24 +39,40 @@ class Rule:
     tensor_result: bool = True
 
 
-#: op -> its rule
-RULES: dict[object, Rule] = {}
+class RuleSet:
+    """Rules by op; ``@rule_set.rule(*targets)`` adds the decorated function as their rule."""
+
+    def __init__(self):
+        self.entries: dict[object, Rule] = {}
+
+    def rule(self, *targets, tensor_result: bool = True):
+        def add(fn):
+            for t in targets:
+                self.entries[t] = Rule(fn, tensor_result)
+            return fn
+
+        return add
 
 
-def rule(*targets, tensor_result: bool = True):
-    """Register the decorated function as the rule of ``targets``."""
+def table(*sets: RuleSet) -> dict[object, Rule]:
+    """One dispatch table of ``sets`` (an op in two sets is a mistake)."""
+    out: dict[object, Rule] = {}
+    for s in sets:
+        twice = set(out) & set(s.entries)
+        if twice:
+            raise ValueError(f"tokenweave split: ops with two rules: {sorted(map(str, twice))}")  # a pass bug
+        out.update(s.entries)
+    return out
 
-    def register(fn):
-        for t in targets:
-            RULES[t] = Rule(fn, tensor_result)
-        return fn
 
-    return register
+#: The token-wise ops' rules (this module's).
+TOKENWISE = RuleSet()
+rule = TOKENWISE.rule
 
 
 def apply(rw: Rewriter, n: fx.Node) -> Result:
-    """``n``'s rule applied (see module docstring)."""
-    r = RULES.get(n.target)
+    """``n``'s rule in ``rw.rules`` applied (see module docstring)."""
+    r = rw.rules.get(n.target)
     if r is None and isinstance(n.target, torch._ops.OpOverload) and torch.Tag.pointwise in n.target.tags:
         r = _POINTWISE
     if r is None:

@@ -19,14 +19,18 @@ from weave_compile.ops import FUSED_OP, START_OP, WAIT_OP
 
 from ..fuse_allreduce_rmsnorm import SITE_KEY
 from ..graph_utils import call_named, is_call, named_args, val
-from .rules import rule
+from .rules import RuleSet
 from .values import HALF_KEY, Barrier, Split, SplitTuple, nodes_in, same
 
 if TYPE_CHECKING:
     from .rewriter import Rewriter
 
 
-@rule(FUSED_OP, tensor_result=False)
+#: The fused sites' rule (this module's).
+FUSED_SITES = RuleSet()
+
+
+@FUSED_SITES.rule(FUSED_OP, tensor_result=False)
 def fused_site(rw: Rewriter, n: fx.Node) -> SplitTuple:
     """A fused site as two start ops (one per half) and their waits."""
     args = named_args(n)

@@ -35,22 +35,14 @@ from weave_compile.ops import FUSED_OP, START_OP, WAIT_OP
 from weave_compile.report import SplitSummary
 
 from ..base import WeavePass
-from ..fuse_allreduce_rmsnorm import MODEL_SHARDED_KEY
 from ..graph_utils import is_call, named_args, val
+from .decision import SplitDecision
 from .rewriter import Rewriter
-from .values import NotSplit, batch_split, prod
+from .values import NotSplit, batch_split
 
 log = logging.getLogger(__name__)
 
 __all__ = ["START_OP", "WAIT_OP", "SplitSummary", "SplitTokensPass"]
-
-#: Why a graph with sequence-parallel sites is not split. Each half's fused op would own 1/N of that
-#: half's rows on every rank, but the model's residual shard is one contiguous piece of every
-#: sequence per rank: a token half is not one shard per rank, and re-laying the residual out per
-#: half would add a copy and a collective at every site.
-SEQUENCE_PARALLEL_DECLINED = ("sequence-parallel sites: the model shards each sequence across the ranks, so a "
-                              "token half is not one shard per rank (re-laying the residual out per half would "
-                              "add a copy and a collective at every site)")
 
 
 class SplitTokensPass(WeavePass):
@@ -61,10 +53,11 @@ class SplitTokensPass(WeavePass):
     def __init__(self, config: TokenWeaveConfig):
         self.config = config
 
-    def __call__(self, graph: fx.Graph) -> SplitSummary:
+    def __call__(self, graph: fx.Graph, decision: SplitDecision) -> SplitSummary:
+        """Apply ``decision`` (:func:`.decision.decide`, made before the fuse pass) to ``graph``."""
         summary = SplitSummary()
         fused = [n for n in graph.nodes if is_call(n, FUSED_OP)]
-        why = self._why_not(fused)
+        why = decision.reason if not decision.applies else self._why_not(fused)
         if why:
             summary.reason = why
             log.info("tokenweave: token split not applied: %s", why)
@@ -77,24 +70,13 @@ class SplitTokensPass(WeavePass):
         return summary
 
     def _why_not(self, fused: list[fx.Node]) -> Optional[str]:
+        """Why a graph the decision splits has nothing to split after all, or None."""
         if not fused:
             return "no fused AllReduce-RMSNorm site"
-        if any(n.meta.get(MODEL_SHARDED_KEY) for n in fused):
-            return SEQUENCE_PARALLEL_DECLINED
         x = val(named_args(fused[0])["x"])
         if x.dim() < 2:
             return "fused op input has no token dimension"
         seq = x.shape[0] if batch_split(x) else x.shape[-2]  # the dimension to split
-        rows = prod(x.shape[:-1])
-        threshold = self.config.split_threshold
-        if isinstance(rows, torch.SymInt):
-            # One graph per side of the threshold: Dynamo checks this guard before every call.
-            if not guard_bool(rows >= threshold):
-                return f"fewer than split_threshold={threshold} tokens (guarded)"
-            if not guard_bool(seq >= 2):
-                return "fewer than 2 tokens to split"
-        elif rows < threshold:
-            return f"{rows} tokens < split_threshold={threshold}"
-        elif seq < 2:
+        if not (guard_bool(seq >= 2) if isinstance(seq, torch.SymInt) else seq >= 2):
             return "fewer than 2 tokens to split"
         return None
