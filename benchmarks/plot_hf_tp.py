@@ -1,10 +1,12 @@
 """Plot prefill latency of a Hugging Face TP model per variant from examples/hf_tp.py CSVs.
 
-    python benchmarks/plot_hf_tp.py benchmarks/results/hf_tp_llama8b_a.csv:c16 \\
-        benchmarks/results/hf_tp_llama8b_b.csv --out benchmarks/results/hf_tp_llama8b.png
+    python benchmarks/plot_hf_tp.py benchmarks/results/hf_tp_llama8b.csv \\
+        --tag a0aa763=16-ctas --tag 6d55ba0=32-ctas --out benchmarks/results/hf_tp_llama8b.png
 
-``CSV:TAG`` appends TAG to that file's tokenweave label (runs with different options).
-Prints the table the plot shows (ms, and each variant over torch.compile default).
+Runs with different options are told apart by their commit (``hf_tp.py --csv`` appends every run
+to one file): ``--tag COMMIT=TAG`` appends TAG to that commit's tokenweave label; without a tag,
+a tokenweave label gets its commit wherever the rows hold more than one. ``CSV:TAG`` tags a whole
+file instead. Prints the table the plot shows (ms, and each variant over torch.compile default).
 """
 
 from __future__ import annotations
@@ -17,15 +19,24 @@ from collections import defaultdict
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("csvs", nargs="+")
+    ap.add_argument("--tag", action="append", default=[], metavar="COMMIT=TAG",
+                    help="label that commit's tokenweave rows (repeatable)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    tags = dict(t.split("=", 1) for t in args.tag)
     series: dict[str, dict[int, float]] = defaultdict(dict)
     decode: dict[str, float] = {}
     meta = None
+    files = []
     for spec in args.csvs:
         path, _, tag = spec.partition(":")
-        for row in csv.DictReader(open(path)):
+        with open(path) as f:
+            files.append((list(csv.DictReader(f)), tag))
+    several = len({row["commit"] for rows, _ in files for row in rows}) > 1
+    for rows, file_tag in files:
+        for row in rows:
             meta = meta or row
+            tag = file_tag or tags.get(row["commit"]) or (row["commit"] if several else "")
             name = row["variant"] + (f" ({tag})" if tag and row["variant"] == "tokenweave" else "")
             if row["phase"] == "prefill":
                 series[name][int(row["tokens"])] = float(row["ms"])

@@ -8,8 +8,8 @@ says why). Everything it knows of an implementation comes from its registry entr
 
 The rule under everything: **on a GPU, no site runs an eager chain, and no design is preferred
 over the plain graph without a measurement on the current code.** ``reference`` (eager torch ops
-inside the compiled graph: 1.17-1.77x plain Inductor per layer, one H200, fake process group,
-Llama-8B dims) is the CPU path and the oracle; on a GPU it runs only where forced.
+inside the compiled graph, measured well slower than plain Inductor at every token count:
+docs/performance.md section 8) is the CPU path and the oracle; on a GPU it runs only where forced.
 
 ``auto``:
 
@@ -75,7 +75,8 @@ from .shared.common import DEFAULT_COMM_CTAS
 #: :func:`choose`'s answer where the site stays as written (no fused op): not an implementation.
 AS_WRITTEN = "as written"
 #: A design is preferred over the plain graph only where it measured at least this much faster
-#: (ratio <= 1 - MIN_GAIN): run-to-run drift of one H200 is a few percent (docs/performance.md).
+#: (ratio <= 1 - MIN_GAIN): run-to-run drift of one GPU is a few percent (docs/performance.md
+#: section 4, "Run-to-run spread").
 MIN_GAIN = 0.02
 
 

@@ -8,7 +8,7 @@ schedule the start op runs it on the comm stream, as it runs every implementatio
 
 The fallback on GPUs (``gpu_fallback``): where the design chosen for a CUDA site cannot run, at
 compile time or at run time, this runs instead of ``reference``, whose eager chain inside a
-compiled graph measured 1.17-1.77x plain Inductor (one H200, fake process group, Llama-8B dims).
+compiled graph measured well slower than plain Inductor (docs/performance.md section 8).
 Whether a site gets it or stays as written is :mod:`weave_compile.kernels.auto`'s decision.
 
 Functional collectives carry it, so it also runs on gloo (CPU tests; the add+norm then uses its

@@ -16,14 +16,15 @@ no new op: it is plain causal attention over its own keys.
 Each call runs the backend PyTorch's own SDPA dispatch picks for its shapes
 (``torch._fused_sdp_choice``: cuDNN's sm90 flash kernel on H100/H200 where cuDNN is preferred, the
 kernel the whole layer's attention runs), through the aten op that returns the log-sum-exp, with
-grouped-query K/V unexpanded where the backend takes them so (cuDNN, flash). Measured on one
-H200 (T=8192 split at 4224, 16 q / 4 kv heads, d=128): SDPA with a lower-right causal mask (the
-fallback below) runs FlashAttention-2, 839 us; two cuDNN calls merged by unfused fp32 torch ops
-553 us, by a merge compiled into one kernel 374 us, against ~362 us at the whole's rate
-(``benchmarks/bench_split_attention.py`` times this op, its merge alone and the fallback).
+grouped-query K/V unexpanded where the backend takes them so (cuDNN, flash). Where cuDNN runs
+the whole's attention, SDPA with a lower-right causal mask (the fallback below) runs
+FlashAttention-2, which is over twice as slow; two cuDNN calls merged by one kernel come close to
+the whole's rate, and merged by unfused torch ops they do not (docs/performance.md, "Suffix
+attention on the whole's kernels"; ``benchmarks/bench_split_attention.py`` times this op, its
+merge alone and the fallback).
 
 The op stays a custom op, not two SDPA calls and pointwise ops in the graph: the merge is one
-memory-bound pass either way (the 374 us above is that pass compiled by Inductor; in the graph it
+memory-bound pass either way (the one-kernel merge measured was Inductor's; in the graph it
 would at best fuse into the copy that lays the output out for ``o_proj``, which this op's output
 layout makes a view), and inside the op the backend is chosen per call from the run-time shapes
 (cuDNN refuses a key length of 1, which a split at 1 or ``T - 1`` produces; a symbolic T cannot

@@ -3,8 +3,8 @@
 ``sibling_linear(x, [W_1 .. W_n], [b_1 .. b_n])`` is ``cat([x @ W_i.T + b_i], -1)``: one GEMM of
 ``x`` with the weights stacked, ``[..., sum(N_i)]``. A Hugging Face layer has five such linears
 where a served one has two (one QKV, one gate/up GEMM), and a token-split half pays each small
-GEMM's fixed cost again: +10% GEMM time at Llama-8B TP=2, T=2048, against +2% merged
-(docs/performance.md section 4).
+GEMM's fixed cost again; merged, the halves' GEMMs cost about what the whole's do
+(docs/performance.md, "Its GEMM cost, and the split point").
 
 The GEMM reads the stacked weights in place when they are one buffer: ``W_{i+1}`` starts where
 ``W_i`` ends in the same storage, each contiguous (the pass that puts this op into graphs,

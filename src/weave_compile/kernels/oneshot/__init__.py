@@ -12,9 +12,10 @@ from ..shared import probe
 from ..shared.workspace import SymmCapacityError
 
 #: The provisional crossover: ``auto`` may take the one-shot kernel only for a static token count
-#: whose message ``T * H * itemsize`` is at most this. A model over 2x H200 data: the push
-#: kernel's three barriers cost ~19 us at T=128 whatever H, while one-shot's N-fold local
-#: reduce/norm work grows with the message.
+#: whose message ``T * H * itemsize`` is at most this. Below it the push kernel's fixed cost (its
+#: three barriers, whatever H) outweighs one-shot's N-fold local reduce/norm work, which grows
+#: with the message: a model over the 2x H200 push-kernel times, not a measured crossover
+#: (docs/performance.md, "`oneshot`, `nccl`, `reference`, `multimem`").
 ONESHOT_MAX_BYTES = 4 << 20
 
 

@@ -14,7 +14,8 @@ it returns only its own ``[S, H]`` rows (rows past ``T`` zero), like the other k
 Why
 ---
 In decode (a few to a few hundred tokens) the two-shot push kernel's three block barriers,
-each a cross-GPU round trip, are most of its time (2x H200: ~19 us at T=128 whatever H).
+each a cross-GPU round trip, are most of its time (a fixed cost whatever H; docs/performance.md,
+"`oneshot`, `nccl`, `reference`, `multimem`").
 One-shot replaces them with a single one-way trip. At two ranks it moves the same NVLink bytes
 as reduce-scatter + all-gather (``T*H*b`` each way); it pays with ``N`` times the local
 reduce/norm work, which is why ``auto`` may take it only below a crossover

@@ -24,28 +24,29 @@ and for every owner, so the CTA-pairwise barriers order exactly the rows each pa
 The barrier before phase 1 also says every peer finished its previous launch on this channel
 (its phase 2 read our earlier pushes, its phase 3 our earlier output pushes).
 
-Bytes in flight, not the hardware, set the bandwidth one SM reaches (one H200: one
-8 KB row in flight per CTA moves 34-39 GB/s, four rows 86-91 GB/s; docs/performance.md).  So every phase keeps
-several tiles of ``BLOCK_ROWS`` rows in flight per CTA: the copy phases load ``COPY_UNROLL``
-tiles (one grid-stride iteration unrolled: the same rows per CTA) before storing them, and the
-add+norm loop (``NORM_PREFETCH``) loads the next tile's inputs into registers before this
-tile's math and stores, so few CTAs carry the traffic.  Where that does not fit
-the registers the add+norm loop is a ``tl.range`` software pipeline of ``NORM_STAGES`` stages
-instead (Triton stages its loads in shared memory: the whole op 31% slower than the prefetched
-loop at 8 CTAs, one H200).
+Bytes in flight, not the hardware, set the bandwidth one SM reaches (four rows in flight per
+CTA move over twice what one does; docs/performance.md section 1, "What one SM moves").  So
+every phase keeps several tiles of ``BLOCK_ROWS`` rows in flight per CTA: the copy phases load
+``COPY_UNROLL`` tiles (one grid-stride iteration unrolled: the same rows per CTA) before storing
+them, and the add+norm loop (``NORM_PREFETCH``) loads the next tile's inputs into registers
+before this tile's math and stores, so few CTAs carry the traffic.  Where that does not fit the
+registers the add+norm loop is a ``tl.range`` software pipeline of ``NORM_STAGES`` stages
+instead (Triton stages its loads in shared memory, which measured slower than the prefetched
+loop; docs/performance.md, "Launch shapes").
 With ``NORM_CHUNK`` > 0 (the default where :func:`weave_compile.kernels.shared.shapes.rowwise_fits`:
 2 ranks, 16-bit inputs, 2048 <= H, H x residual bytes <= 8 KB, and a shard of at least 8 rows per
 CTA) the add+norm runs one warp per row instead
 (:func:`weave_compile.kernels.shared.rownorm.rowwise_group`): groups of ``BLOCK_ROWS x NORM_UNROLL``
 rows (the CTA's own rows, as in the copy phases) walk their columns in chunks loaded
 ``NORM_DEPTH`` chunks ahead, the rounded residual kept in registers, and a row's sum of squares
-never leaves its warp, so no CTA barrier holds the warps in step (85.7 against 77.7 GB/s per CTA
-at H=4096, 8 CTAs, one H200).  :func:`weave_compile.kernels.p2p.launch.push_meta` picks
-the shape.  The prefetched (and one-warp-per-row) loops and the pipelined one sum the peers'
-partials in different orders (``x + sum(peers)`` vs one at a time): bit-identical with bf16
-inputs at 2-4 ranks (checked in the CPU interpreter), an fp32 ulp apart in places with fp32
-inputs and 3+ ranks; the one-warp-per-row loop adds up a row's squares in its own order, so its
-normed rows can be an ulp from the others' (the residual cannot).
+never leaves its warp, so no CTA barrier holds the warps in step (faster than the prefetched
+tile where both run; docs/performance.md, "Launch shapes").
+:func:`weave_compile.kernels.p2p.launch.push_meta` picks the shape.  The prefetched (and
+one-warp-per-row) loops and the pipelined one sum the peers' partials in different orders
+(``x + sum(peers)`` vs one at a time): bit-identical with bf16 inputs at 2-4 ranks (checked in
+the CPU interpreter), an fp32 ulp apart in places with fp32 inputs and 3+ ranks; the
+one-warp-per-row loop adds up a row's squares in its own order, so its normed rows can be an
+ulp from the others' (the residual cannot).
 
 ``PHASES`` (bitmask 1|2|4) and ``SYNC`` are measurement and simulation hooks: the per-CTA
 benchmark leaves phases out (barriers kept, so the pads still pair up), and the one-process CPU

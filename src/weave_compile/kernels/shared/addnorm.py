@@ -7,13 +7,13 @@ n_res_rows`` of the residual output are written as zeros (a sharded residual's p
 
 Why a kernel of its own: once copy engines (or NCCL) move the bytes between GPUs, the only SM work
 left is this local streaming pass, and it should need few CTAs so the other token half's GEMMs keep
-their SMs. Per-CTA bandwidth is set by bytes in flight (one 8 KB row in flight per CTA moves 34-39
-GB/s on one H200, four rows 86-91 GB/s; docs/performance.md): each CTA works on ``BLOCK_ROWS``
-rows at a time and the next rows' loads are issued before this row block's math: one warp per row
-with column chunks loaded ahead (``CHUNK`` > 0, the shared
+their SMs. Per-CTA bandwidth is set by bytes in flight, not by the hardware (four rows in flight
+per CTA move over twice what one does; docs/performance.md section 1, "What one SM moves"): each
+CTA works on ``BLOCK_ROWS`` rows at a time and the next rows' loads are issued before this row
+block's math: one warp per row with column chunks loaded ahead (``CHUNK`` > 0, the shared
 :func:`weave_compile.kernels.shared.rownorm.rowwise_group`), the next block prefetched into
-registers (``PREFETCH``), or a ``tl.range(num_stages=NUM_STAGES)`` software pipeline. The launch shape is
-:func:`launch_config`; ``benchmarks/bench_comm_ce.py`` measured it.
+registers (``PREFETCH``), or a ``tl.range(num_stages=NUM_STAGES)`` software pipeline. The launch
+shape is :func:`launch_config`; ``benchmarks/bench_comm_ce.py`` measured it.
 
 Off GPU (CPU tensors without the Triton interpreter) :func:`add_rmsnorm_rows` runs the same math
 with torch ops, which is what the copy-engine CPU simulation uses.

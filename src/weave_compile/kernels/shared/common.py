@@ -77,8 +77,8 @@ def prefetch_fits(inputs: int, elems_per_thread: int, elem_bytes: int, num_warps
     """Whether a register-prefetched row loop fits the register file (a model, not a compile):
     two tiles of ``inputs`` packed input tensors of ``elems_per_thread`` elements each, ~2 fp32
     values per element and 40 more, within what a thread gets at ``num_warps`` (64K 32-bit
-    registers per SM, at most 255 per thread).  Shapes over it spilled 10-20x slower on one
-    H200."""
+    registers per SM, at most 255 per thread).  A shape over it spills, which costs far more than
+    a smaller tile (docs/performance.md, "Launch shapes")."""
     e = elems_per_thread
     regs = 2 * inputs * e * elem_bytes / 4 + 2 * e + 40
     return regs <= min(255, 65536 // (32 * num_warps))

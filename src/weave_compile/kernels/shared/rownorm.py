@@ -117,8 +117,8 @@ if HAS_TRITON:
     # rounded residual and keeps it in registers; the row's sum of squares is a reduction
     # inside the warp (shuffles, no shared memory, no CTA barrier); pass 2 scales the kept
     # chunks and stores them.  Without barriers the warps drift apart, so one warp's loads
-    # overlap another's stores (push kernel, one H200, H=4096, 8 CTAs: 85.7 GB/s per CTA against
-    # 77.7 for the prefetched tile with its barrier per tile).  Rows are given as pointer
+    # overlap another's stores: faster than the prefetched tile with its barrier per tile where
+    # both run (docs/performance.md, "Launch shapes").  Rows are given as pointer
     # tensors ([ROWS, 1], or [P, ROWS, 1] for the partials and the peers' copies) with masks of
     # the same shapes, so the push and copy-engine kernels share the body.
 
