@@ -3,7 +3,8 @@
 The split chooser (:mod:`.smart_split`) needs, for every token-wise GEMM of the
 graph (``[M, K] @ [K, N]``, the weight stored ``[N, K]`` as ``nn.Linear`` keeps it), its time at
 the row counts ``M`` a split could give each half. A tile formula does not describe the kernels
-cuBLAS picks per ``M`` (the formula's split measured up to 8.5% off the best one), so on a GPU
+cuBLAS picks per ``M`` (its split point measured off the best one: docs/performance.md, "Its
+GEMM cost, and the split point"), so on a GPU
 the curve is measured, at compile time, with the call Inductor makes for these shapes (``mm(x, w.t())``,
 cuBLAS), and kept on disk:
 
@@ -40,8 +41,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-#: Nominal dense bf16 throughput of one H100/H200 SM behind the wave formula (about 700 TFLOP/s
-#: over 132 SMs, what cuBLAS reaches on large GEMMs there). Only the formula uses it.
+#: Nominal dense bf16 throughput of one H100/H200 SM behind the wave formula (a nominal 700 TFLOP/s
+#: over 132 SMs). Only the formula uses it; measured curves replace it on a GPU.
 FORMULA_FLOPS_PER_SM = 700e12 / 132
 
 

@@ -15,9 +15,9 @@ freed, no memory is added. The backend calls it once the graph is compiled: done
 compile fails where it re-derives the inputs' metadata from what Dynamo traced (a re-pointed
 parameter's storage offset is no longer 0).
 
-Why: a token-split half pays each small GEMM's fixed cost again (a Hugging Face layer has five
-projections where a served one has two GEMMs: +10% GEMM time at Llama-8B TP=2, T=2048, against
-+2%; docs/performance.md section 4). The op checks at every call that the weights are still one
+Why: a token-split half pays each small GEMM's fixed cost again, and a Hugging Face layer has five
+projections where a served one has two GEMMs (docs/performance.md, section 4, measures what the
+halves lose either way). The op checks at every call that the weights are still one
 buffer and copies them together otherwise (:mod:`weave_compile.ops.sibling_linear`).
 
 It runs on the Dynamo graph, before AOT autograd, because only there are the parameters the

@@ -22,10 +22,9 @@ size measured here); ``T // 2`` below the size where that range holds none.
   without a GPU, or with ``split_cost="formula"``, the SM-count wave formula.
 * **Attention time**: causal attention's FLOPs (the suffix's queries also read the prefix's
   keys, so it costs more per token) at :data:`ATTN_FLOPS` per second.
-* **Communication**: ``Q(r) = sites * (COMM_LATENCY_US + r * hidden * bytes / COMM_GBPS)``, from
-  the committed 2x H200 measurements (``benchmarks/results/allreduce_rmsnorm.csv``, the ``p2p``
-  fused op ``fused_symm`` at 32 CTAs, bf16): 139-533 us at H=4096, T=4K-16K and 276-1095 us at
-  H=8192 fit 8 us + bytes of x / 245 GB/s within 5% from T=1K up.
+* **Communication**: ``Q(r) = sites * (COMM_LATENCY_US + r * hidden * bytes / COMM_GBPS)``, a
+  latency plus a rate fitted to the fused op's measured times across two GPUs
+  (docs/performance.md, "Its GEMM cost, and the split point").
 
 Every rank of a group must split at the same point (the halves' collectives have to match), and
 measured curves differ by noise between ranks: with a measured curve and a process group of more
@@ -52,14 +51,15 @@ log = logging.getLogger(__name__)
 GRID = 64
 #: Costs within this fraction of the whole layer's predicted time tie.
 TIE = 0.005
-#: Effective bytes per second of the fused op (bytes of x on one rank), 2x H200, p2p, 32 CTAs.
+#: Effective bytes per second of the fused op (bytes of x on one rank): the fit above.
 COMM_GBPS = 245.0
 #: Its fixed cost per call (launch, barriers), microseconds.
 COMM_LATENCY_US = 8.0
-#: Causal flash attention forward, bf16, H100/H200-class: FLOP/s reached.
+#: Causal flash attention forward, bf16, H100/H200-class: FLOP/s the model assumes (a nominal
+#: rate; docs/performance.md, section 4, has what the attention kernels reached).
 ATTN_FLOPS = 350e12
 #: SM count assumed where the graph is not on a GPU (CPU tests): an H100/H200's.
-DEFAULT_NUM_SMS = 132
+DEFAULT_NUM_SMS = 132  # (gemm_cost.FORMULA_FLOPS_PER_SM divides by the same count)
 #: Seconds a non-zero rank waits for rank 0's choice before failing (never a silent hang).
 AGREE_TIMEOUT_S = 300.0
 
