@@ -8,9 +8,9 @@
 - :mod:`.lowering`: the fused ops' Inductor lowering (never-reuse outputs left in the ring).
 """
 
-from .allreduce_rmsnorm import ARG_NAMES, FUSED_OP, SCHEMA, START_OP, WAIT_OP, allreduce_add_rmsnorm
+from .allreduce_rmsnorm import ARG_NAMES, FUSED_OP, FUSED_OPS, SCHEMA, START_OP, WAIT_OP, allreduce_add_rmsnorm
 from .causal_suffix_attention import SUFFIX_ATTENTION, causal_suffix_attention
 from .sibling_linear import SIBLING_LINEAR, sibling_linear
 
-__all__ = ["ARG_NAMES", "FUSED_OP", "SCHEMA", "SIBLING_LINEAR", "START_OP", "SUFFIX_ATTENTION", "WAIT_OP",
+__all__ = ["ARG_NAMES", "FUSED_OP", "FUSED_OPS", "SCHEMA", "SIBLING_LINEAR", "START_OP", "SUFFIX_ATTENTION", "WAIT_OP",
            "allreduce_add_rmsnorm", "causal_suffix_attention", "sibling_linear"]

@@ -221,3 +221,5 @@ def _(normed, residual_out, keep_alive):
 FUSED_OP = torch.ops.weave.allreduce_add_rmsnorm.default
 START_OP = torch.ops.weave.allreduce_add_rmsnorm_start.default
 WAIT_OP = torch.ops.weave.comm_wait.default
+#: The fused op in both forms (the split's halves run the start form).
+FUSED_OPS = (FUSED_OP, START_OP)

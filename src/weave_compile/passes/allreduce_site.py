@@ -34,7 +34,6 @@ or before a scale) blocks the rewrite.
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import Optional, Union
 
 import torch

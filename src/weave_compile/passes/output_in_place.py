@@ -47,7 +47,7 @@ import torch.fx as fx
 
 from weave_compile import kernels
 from weave_compile.kernels.shared.common import OUT_RING_SLOTS
-from weave_compile.ops import FUSED_OP, START_OP, WAIT_OP
+from weave_compile.ops import FUSED_OPS, WAIT_OP
 
 from .base import WeavePass
 from .fuse_allreduce_rmsnorm import SITE_KEY
@@ -55,7 +55,6 @@ from .graph_utils import is_call, named_args, replace_args, val
 
 log = logging.getLogger(__name__)
 
-_FUSED = (FUSED_OP, START_OP)
 #: The ring slots an output may take (slot 0 is the copying launches' staging region).
 RING_SLOTS = tuple(range(1, OUT_RING_SLOTS))
 #: What the report says of an output that is copied out because the option is off.
@@ -234,7 +233,7 @@ class OutputInPlacePass(WeavePass):
         last: dict[tuple, tuple[fx.Node, set]] = {}
         outcome: dict[fx.Node, str] = {}
         for node in graph.nodes:
-            if not is_call(node, *_FUSED):
+            if not is_call(node, *FUSED_OPS):
                 continue
             args = named_args(node)
             if not allowed:

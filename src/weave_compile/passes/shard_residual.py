@@ -29,7 +29,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from weave_compile.agreement import group_ranks
-from weave_compile.ops import FUSED_OP, START_OP, WAIT_OP
+from weave_compile.ops import FUSED_OPS, WAIT_OP
 
 from .base import WeavePass
 from .fuse_allreduce_rmsnorm import MODEL_SHARDED_KEY, SITE_KEY
@@ -37,7 +37,6 @@ from .graph_utils import fake_mode_of, is_call, named_args, replace_args, set_fa
 
 log = logging.getLogger(__name__)
 
-_FUSED = (FUSED_OP, START_OP)
 
 
 def _residual_item(fused: fx.Node):
@@ -61,7 +60,7 @@ def _why_not_sharded(producer: fx.Node, item, readers: list[fx.Node]):
     the same on every rank of the group, or ranks would disagree on whether the producer gathers:
     the rank lists are the same on every member, ``p`` is not, so ``p`` is never compared alone.
     """
-    others = sorted({str(r.target) for r in readers if not is_call(r, *_FUSED)})
+    others = sorted({str(r.target) for r in readers if not is_call(r, *FUSED_OPS)})
     if others:
         return ", ".join(others)
     mine = named_args(producer)
@@ -86,7 +85,7 @@ class ShardResidualPass(WeavePass):
     """Returns each fused site's residual label (site id -> "full" / "in sharded" / ...)."""
 
     def __call__(self, graph: fx.Graph) -> dict[str, str]:
-        fused_nodes = [n for n in graph.nodes if is_call(n, *_FUSED) and not n.meta.get(MODEL_SHARDED_KEY)]
+        fused_nodes = [n for n in graph.nodes if is_call(n, *FUSED_OPS) and not n.meta.get(MODEL_SHARDED_KEY)]
         kept_full: dict[fx.Node, str] = {}
         changed: set[fx.Node] = set()
         for fused in fused_nodes:

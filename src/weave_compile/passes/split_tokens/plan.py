@@ -19,11 +19,10 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import guard_bool
 
-from . import smart_split
-from weave_compile.config import TokenWeaveConfig
 from weave_compile.ops.sibling_linear import SIBLING_LINEAR
 
 from ..graph_utils import is_call, named_args, val
+from . import smart_split
 from .values import NotSplit, prod, same
 
 if TYPE_CHECKING:
