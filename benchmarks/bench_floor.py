@@ -511,7 +511,8 @@ def decode(run: Run, dims: str) -> None:
                         ids, compile_config=cc, min_new_tokens=short,
                         stopping_criteria=StoppingCriteriaList([StopAfter(prompt + short)]), **gen))
                     steps.append((t_long - t_short) / (long - short))
-                out = lm.generate(ids, compile_config=cc, min_new_tokens=long, **gen)
+                out = lm.generate(ids, compile_config=cc, min_new_tokens=long, return_dict_in_generate=True,
+                                  output_logits=True, **gen)
             if torch._dynamo.utils.counters["stats"]["unique_graphs"] != warm:
                 raise VariantError("generate() compiled again while timed (a recompile per step?)")
         except Exception as e:  # noqa: BLE001 - one variant's failure is reported, the others still run
@@ -530,23 +531,43 @@ def decode(run: Run, dims: str) -> None:
                 run.skipped(f"decode {variant}", e)
                 continue
         label = "default" if variant == "default" else site_label(sites)
-        results[variant] = (out[:, prompt:].cpu(), statistics.median(steps), label)
+        logits = torch.stack([s.float().cpu() for s in out.logits], 1)  # [B, steps, vocab]
+        results[variant] = (out.sequences[:, prompt:].cpu(), statistics.median(steps), label, logits)
     ref = results.get("default")
-    for variant, (tokens, step_ms, label) in results.items():
+    for variant, (tokens, step_ms, label, logits) in results.items():
         equal = "" if ref is None else str(bool(torch.equal(tokens, ref[0])))
+        why = "" if equal != "False" else "; " + first_difference(tokens, logits, ref[0], ref[3])
         ratio = "" if ref is None else f"{step_ms / ref[1]:.4f}"
         run.rows.append({**run.meta, "scope": "decode", "arch": "llama", "dims": dims, "hidden": HIDDEN[dims],
                          "layers": args.layers, "T": args.decode_batch, "variant": variant, "kernel": label,
                          "ms_per_layer": f"{step_ms / args.layers:.4f}", "ratio_vs_default": ratio, "spread": "",
                          "ms_per_step": f"{step_ms:.4f}", "tokens_equal": equal, "source_hash": run.source_hash(label),
                          "note": f"generate(), static cache, batch {args.decode_batch}, {long} new tokens"
-                                 + ("; identity collectives (fake_group.py)" if args.comm == "fake" else "")})
+                                 + ("; identity collectives (fake_group.py)" if args.comm == "fake" else "") + why})
         if run.rank == 0:
-            print(f"decode {variant:8s} {step_ms:8.3f} ms/step  tokens equal to default: {equal or '-'}  [{label}]",
-                  flush=True)
+            print(f"decode {variant:8s} {step_ms:8.3f} ms/step  tokens equal to default: {equal or '-'}  [{label}]"
+                  + why, flush=True)
         if equal == "False":
             run.failed.append(f"decode {variant}: tokens differ from plain Inductor's")
     run.write()
+
+
+def first_difference(tokens: torch.Tensor, logits: torch.Tensor, ref_tokens: torch.Tensor,
+                     ref_logits: torch.Tensor) -> str:
+    """Where two greedy decodes part (tokens ``[B, steps]``, logits ``[B, steps, vocab]``), and
+    whether it was a near tie: plain Inductor's margin between its token and the other's there,
+    against the largest logit difference of the steps both saw the same prefix (a margin inside
+    that difference is a rounding flip; one well outside it is a wrong result)."""
+    diff = (tokens != ref_tokens).any(0).nonzero()
+    k = int(diff[0]) if len(diff) else tokens.shape[1]
+    if k >= tokens.shape[1]:
+        return "tokens equal"
+    b = int((tokens[:, k] != ref_tokens[:, k]).nonzero()[0])
+    before = (logits[:, :k + 1] - ref_logits[:, :k + 1]).abs().max().item()  # step k's inputs are the same too
+    margin = (ref_logits[b, k, ref_tokens[b, k]] - ref_logits[b, k, tokens[b, k]]).item()
+    return (f"first differs at new token {k} (batch row {b}): plain Inductor's margin for its token there "
+            f"{margin:.4f}, the largest logit difference up to there {before:.4f}"
+            f" ({'a near tie' if margin <= before else 'NOT a near tie'})")
 
 
 def _timed(run: Run, fn) -> float:

@@ -127,3 +127,25 @@ def test_keep_holds_what_this_run_does_not_measure_again():
     assert not bench_floor.keep_row(a, dict(scope="op", dims="70b"))
     assert bench_floor.keep_row(a, dict(scope="decode")) and not bench_floor.keep_row(bench_floor.parse(["--decode"]),
                                                                                          dict(scope="decode"))
+
+
+def test_first_difference_tells_a_near_tie_from_a_wrong_token():
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    ref_logits = torch.randn(2, 5, 11, generator=g)
+    ref_tokens = ref_logits.argmax(-1)
+    assert bench_floor.first_difference(ref_tokens, ref_logits, ref_tokens, ref_logits) == "tokens equal"
+    # Row 1 at step 3 takes the runner-up: a margin of 0.3 against logits that moved by 0.5 is a near tie.
+    logits = ref_logits.clone()
+    runner_up = ref_logits[1, 3].topk(2).indices[1]
+    ref_logits[1, 3, runner_up] = ref_logits[1, 3, ref_tokens[1, 3]] - 0.3
+    logits[1, 3] = ref_logits[1, 3]
+    logits[1, 3, runner_up] += 0.5
+    tokens = ref_tokens.clone()
+    tokens[1, 3:] = runner_up
+    why = bench_floor.first_difference(tokens, logits, ref_tokens, ref_logits)
+    assert "new token 3 (batch row 1)" in why and "margin for its token there 0.3000" in why and "(a near tie)" in why
+    # The same flip with logits that moved by 0.01 only: not a tie, a wrong result.
+    logits[1, 3, runner_up] = ref_logits[1, 3, runner_up] + 0.01
+    assert "NOT a near tie" in bench_floor.first_difference(tokens, logits, ref_tokens, ref_logits)

@@ -78,12 +78,25 @@ def test_eps_graph_input_is_passed_to_the_op(group):
     (op,) = _fused(graph)
     assert rep.matched_count == 1 and "(eps a graph input)" in rep.sites[0].reason
     eps_node = _arg(op, "eps_tensor")
-    assert eps_node is not None and eps_node.meta["val"].dim() == 0
-    # the node is the converted input: placeholder -> convert -> op
-    src = eps_node
-    while src.op != "placeholder":
-        src = src.args[0]
-    assert src.name.startswith("eps")
+    # The op reads the host input itself, not its fp32 cast: Inductor may move a cast whose only
+    # reader is the op to the GPU, and the op would then read eps from device memory (a sync).
+    assert eps_node.op == "placeholder" and eps_node.name.startswith("eps"), eps_node.format_node()
+    assert eps_node.meta["val"].dim() == 0 and eps_node.meta["val"].device.type == "cpu"
+
+
+def test_eps_cast_below_fp32_stays_the_cast(group):
+    """An eps rounded to bf16 before the add is that rounded value: the op reads the cast."""
+
+    def f(x, res, w, eps):
+        h = res + wait(ar_op(x, "sum", group))
+        hf = h.float()
+        e = eps.to(torch.bfloat16)
+        return w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + e))
+
+    graph, rep = _run(f, ((T, H), F32), ((T, H), F32), ((H,), F32), ((), torch.float64))
+    (op,) = _fused(graph)
+    eps_node = _arg(op, "eps_tensor")
+    assert eps_node.op != "placeholder" and eps_node.meta["val"].dtype == torch.bfloat16, eps_node.format_node()
 
 
 def test_eps_from_another_tensor_is_not_an_eps(group):

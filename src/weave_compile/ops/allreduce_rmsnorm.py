@@ -116,7 +116,12 @@ def _call(a: dict[str, Any], beside_compute: bool) -> tuple[torch.Tensor, torch.
                          f"({[e.name for e in kernels.implementations() if not e.takes_scale]})")
     eps, eps_tensor = a["eps"], a["eps_tensor"]
     if eps_tensor is not None and not impl.takes_eps_tensor:
-        eps, eps_tensor = float(eps_tensor), None  # a CPU tensor (the pass sees to it): no device sync
+        # A host tensor (the pass passes the graph's own input): no device sync.
+        if eps_tensor.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"weave::allreduce_add_rmsnorm: kernel {impl.name!r} reads eps on the host, and eps "
+                               "is a CUDA tensor inside CUDA-graph capture, where reading it is not allowed; "
+                               "pass eps as a number or a CPU tensor")
+        eps, eps_tensor = float(eps_tensor), None
     spec = FusedSpec(residual_dtype=a["residual_dtype"], out_dtype=a["out_dtype"], eps=eps,
                      group_name=a["group_name"], mid_dtype=a["mid_dtype"], weight_offset=a["weight_offset"],
                      residual_in_sharded=a["residual_in_sharded"], residual_out_sharded=a["residual_out_sharded"],

@@ -67,6 +67,22 @@ def scalar_operand(o: Any) -> Union[None, float, fx.Node]:
     return o if _is_scalar_tensor(o) else None
 
 
+def host_input(eps: Union[float, fx.Node]) -> Union[float, fx.Node]:
+    """The graph input a 0-d eps node converts (through dtype casts only), where that input is on
+    the host and the casts round no further than fp32; else ``eps`` itself.
+
+    Why: a cast of a host scalar is a node Inductor may move to the device once its only reader is
+    the fused op (a CUDA graph then reads ``float(eps)`` from device memory: a sync, which breaks
+    capture). A graph input stays where the caller put it, so the op reads it without a sync; its
+    value rounds to the same fp32 in every implementation (they compute in fp32)."""
+    src = eps
+    while isinstance(src, fx.Node) and cast_dtype(src) in (torch.float32, torch.float64):
+        src = src.args[0]
+    if isinstance(src, fx.Node) and src.op == "placeholder" and _is_scalar_tensor(src) and val(src).device.type == "cpu":
+        return src
+    return eps
+
+
 def _is_square_of(node: fx.Node, r: fx.Node) -> bool:
     if is_call(node, aten.pow.Tensor_Scalar):
         return node.args[0] is r and node.args[1] == 2
@@ -120,6 +136,7 @@ def _match_from(r: fx.Node, hidden, ndim: int) -> Optional[NormMatch]:
         eps = scalar_operand(other_operand(add_eps, mean))
         if eps is None:
             continue
+        eps = host_input(eps)
         nodes = [sq, mean, add_eps]
         inv = single_user(add_eps)
         y = None
