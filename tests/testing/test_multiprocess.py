@@ -40,11 +40,11 @@ def test_values_from_every_rank():
 
 def test_hanging_rank_becomes_a_failed_result_within_timeout():
     start = time.monotonic()
-    results = run_ranks(_hang_on_rank_1, 2, timeout=20)
+    results = run_ranks(_hang_on_rank_1, 2, timeout=8)
     elapsed = time.monotonic() - start
     assert results[0].ok and results[0].value == 0
     assert results[1].timed_out and not results[1].ok
-    assert elapsed < 20 + 15, f"harness took {elapsed:.0f} s to give up on a hanging rank"
+    assert elapsed < 8 + 15, f"harness took {elapsed:.0f} s to give up on a hanging rank"
     with pytest.raises(AssertionError, match="timed out"):
         assert_ranks_ok(results)
 
@@ -62,3 +62,21 @@ def test_crashed_rank_is_reported():
     results = run_ranks(_crash_on_rank_1, 2, timeout=60)
     assert results[0].ok
     assert not results[1].ok and "exited with code 3" in results[1].error
+
+
+def _what_the_rank_sees(rank, world_size):
+    import sys
+
+    preloaded = "torch._inductor.compile_fx" in sys.modules  # before this function imported anything
+    import torch._inductor.config as inductor_config
+
+    return preloaded, inductor_config.fx_graph_cache, os.environ.get("WEAVE_TEST_MARK")
+
+
+def test_ranks_start_with_the_compile_stack_and_read_settings_from_their_own_environment():
+    # Forked from the server: Inductor already imported, under the ranks' usual settings (cache off).
+    assert assert_ranks_ok(run_ranks(_what_the_rank_sees, 2, timeout=120)) == [(True, False, None)] * 2
+    # Another environment: the ranks start fresh, so what Inductor reads at import follows it.
+    env = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "WEAVE_TEST_MARK": "x"}
+    seen = assert_ranks_ok(run_ranks(_what_the_rank_sees, 2, timeout=120, env=env))
+    assert [s[1:] for s in seen] == [(True, "x")] * 2, seen

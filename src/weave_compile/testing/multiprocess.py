@@ -1,7 +1,7 @@
 """Run a function on N ranks in fresh processes, with a hard timeout.
 
 ``run_ranks(fn, world_size=2)`` starts one process per rank (forked from a server process that
-imported torch once, with the caller's current environment), initializes a process group
+imported torch's compile stack once, with the caller's current environment), initializes a process group
 (gloo on CPU by default, NCCL with one GPU per rank when asked), calls ``fn(rank, world_size,
 *args)`` and returns one :class:`RankResult` per rank: the value, or the exception's traceback.
 A rank that does not finish before the deadline is killed together with every other rank and
@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 # Ranks share the machine: keep each to one intra-op thread so two ranks on two cores do not
 # oversubscribe (and Inductor's C++ compile workers stay in-process).
-_CHILD_ENV = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
               # A graph served from Inductor's caches skips the passes, so explain() has no site
               # list: ranks always compile, whatever an earlier run left in the cache directory.
               "TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
@@ -83,13 +83,36 @@ def _child(call, rank, world_size, backend, store_path, timeout_s, env, out_q):
     out_q.put((rank, payload))
 
 
-def _context():
-    """Ranks fork from a server process that has imported torch once (importing it costs each
-    spawned rank ~2 s of CPU, and the suite starts hundreds); every rank still gets the caller's
-    environment of the moment and torch's settings read from it (``_child``)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch"])
-    return ctx
+#: Environment variables that differ between calls without changing what an import reads.
+_VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})
+#: The environment the fork server imported the compile stack under (None: not started by us).
+_server_env: Optional[dict[str, str]] = None
+
+
+def _comparable(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in _VOLATILE_ENV}
+
+
+def _context(child_env: dict[str, str]):
+    """Where the ranks start.
+
+    Ranks fork from a server process that has imported torch and its compile stack once
+    (:mod:`weave_compile.testing.rank_server`; importing them costs every rank several seconds of
+    CPU, and the suite starts hundreds of ranks). Those modules read some settings from the
+    environment when imported (Inductor's caches, say), so a rank forks from the server only if
+    its environment is the one the server imported them under; a call with another environment
+    (``env=``, a variable a test set) starts its ranks as fresh interpreters instead. Either way
+    every rank gets the caller's environment of the moment (``_child``)."""
+    global _server_env
+    from multiprocessing import forkserver
+
+    if _server_env is None and getattr(forkserver._forkserver, "_forkserver_pid", None) is None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["weave_compile.testing.rank_server"])
+        _server_env = _comparable({**os.environ, **CHILD_ENV})
+    if _server_env is not None and _comparable(child_env) == _server_env:
+        return mp.get_context("forkserver")
+    return mp.get_context("spawn")
 
 
 def run_ranks(
@@ -102,10 +125,10 @@ def run_ranks(
     env: Optional[dict[str, str]] = None,
 ) -> list[RankResult]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` rank processes; kill all after ``timeout`` s."""
-    ctx = _context()
+    child_env = {**os.environ, **CHILD_ENV, **(env or {})}
+    ctx = _context(child_env)
     call = pickle.dumps((fn, args))
     out_q = ctx.Queue()
-    child_env = {**os.environ, **_CHILD_ENV, **(env or {})}
     with tempfile.TemporaryDirectory(prefix="weave_ranks_") as tmp:
         store = os.path.join(tmp, "store")
         procs = [

@@ -1,0 +1,46 @@
+"""What the ranks' fork server imports once, so that every forked rank starts with it.
+
+:func:`weave_compile.testing.multiprocess.run_ranks` forks its ranks from a server process that
+imports this module. Importing torch's compile stack (Dynamo, AOTAutograd, Inductor, DTensor) and
+transformers' model machinery, and Inductor's first CPU compile (toolchain and vector-ISA probes,
+code generators), cost each fresh process several seconds of CPU, and the suite starts hundreds
+of ranks on two cores. The server pays that once, in the ranks' environment
+(:data:`~weave_compile.testing.multiprocess.CHILD_ENV` applied first: Inductor reads some of it
+at import), then forgets what it compiled. The compile runs only where no GPU driver is present.
+"""
+
+import os
+
+from weave_compile.testing.multiprocess import CHILD_ENV
+
+os.environ.update(CHILD_ENV)
+
+import torch  # noqa: E402
+import torch._dynamo  # noqa: E402,F401
+import torch._functorch.aot_autograd  # noqa: E402,F401
+import torch._inductor.compile_fx  # noqa: E402,F401
+import torch.distributed  # noqa: E402,F401
+import torch.distributed._functional_collectives  # noqa: E402,F401
+import torch.distributed.tensor  # noqa: E402,F401
+
+try:  # the Hugging Face models' machinery (modeling, generation, tensor-parallel plans), where installed
+    import transformers  # noqa: E402
+
+    transformers.LlamaForCausalLM  # noqa: B018 - its lazy import loads what every causal LM shares
+except ImportError:
+    pass
+
+
+def _warm_up() -> None:
+    """Inductor's first CPU compile, where no GPU driver is present: a compile may query CUDA, and
+    ranks must not fork from a process that has touched the driver."""
+    if os.path.exists("/dev/nvidiactl"):
+        return
+    x = torch.randn(8, 16)
+    for backend in ("aot_eager", "inductor"):
+        torch.compile(lambda t: torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * t, backend=backend)(x)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+
+_warm_up()
