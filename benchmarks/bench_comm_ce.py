@@ -23,7 +23,6 @@ sharded residual in and out, the layout compiled models run, ``rows_per_rank`` r
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
@@ -161,7 +160,6 @@ def main() -> None:
             if timeouts or stuck:
                 print(f"push kernel: {timeouts} barrier timeouts, {stuck} pad slots left set: its times are not valid",
                       flush=True)
-        del wss
         torch.cuda.empty_cache()
     print(f"wrote {path}")
 

@@ -194,7 +194,7 @@ def run(args) -> list:
         timeouts, pads = ranks.barrier_state()
         if timeouts or pads:
             print(f"# H={H}: {timeouts} barrier timeouts, {pads} pad slots not reset!", flush=True)
-        del ranks, xs, res
+        ranks = xs = res = None  # free this H's buffers before the next H's; not del: `call` closes over them
     return rows
 
 

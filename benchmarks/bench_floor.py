@@ -833,7 +833,6 @@ def main(argv=None) -> None:
     run = Run(args, dev, fake)
     if args.keep and os.path.exists(args.keep):
         with open(args.keep) as f:
-            measured = {(d, a) for d in args.dims for a in args.archs}
             run.kept = [{c: r.get(c, "") for c in COLUMNS} for r in csv.DictReader(f) if keep_row(args, r)]
     if run.rank == 0:
         print(f"floor: {run.meta['gpu']}, {args.comm} group of {run.meta['world_size']}, commit "

@@ -171,7 +171,7 @@ def main() -> None:
                       flush=True)
                 write_csv(path, rows, COLUMNS)
                 write_csv(sweep_path, sweep_rows, SWEEP_COLUMNS)
-        del layer
+        layer = None  # free this shape's tensors before the next's; not del: the lambdas close over it
         if not dry:
             torch.cuda.empty_cache()
     summarize(rows)

@@ -256,7 +256,6 @@ def _second_model_after_fused(rank, world, seed):
     """The group runs one model's fused graphs, then a second compiled model in which rank 0 alone
     stores a residual statistic on the module, then the first model again."""
     import weave_compile
-    from weave_compile.testing.numerics import rel_err
 
     real_store = agreement._default_store
     store = dist.PrefixStore("second-model/", real_store())

@@ -20,7 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from weave_compile.ops import FUSED_OP, START_OP
 from weave_compile.passes.fuse_allreduce_rmsnorm import SITE_KEY
 from weave_compile.passes.graph_utils import is_call, named_args
-from weave_compile.passes.output_in_place import OFF, RING_SLOTS, OutputInPlacePass, readers_of
+from weave_compile.passes.output_in_place import OFF, OutputInPlacePass, readers_of
 
 H = 16
 
