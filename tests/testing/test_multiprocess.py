@@ -80,3 +80,10 @@ def test_ranks_start_with_the_compile_stack_and_read_settings_from_their_own_env
     env = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "WEAVE_TEST_MARK": "x"}
     seen = assert_ranks_ok(run_ranks(_what_the_rank_sees, 2, timeout=120, env=env))
     assert [s[1:] for s in seen] == [(True, "x")] * 2, seen
+
+
+def test_a_compile_in_the_calling_process_keeps_the_ranks_on_the_server():
+    # Inductor writes its cache directory (and more) into the environment of a process that
+    # compiles: the ranks started after it must still fork from the server.
+    torch.compile(lambda t: t.relu() + 1)(torch.randn(3))
+    assert [s[0] for s in assert_ranks_ok(run_ranks(_what_the_rank_sees, 2, timeout=120))] == [True, True]

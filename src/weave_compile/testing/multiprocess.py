@@ -83,8 +83,10 @@ def _child(call, rank, world_size, backend, store_path, timeout_s, env, out_q):
     out_q.put((rank, payload))
 
 
-#: Environment variables that differ between calls without changing what an import reads.
-_VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})
+#: Environment variables that differ between calls without changing what an import reads:
+#: pytest's current test, and what Inductor sets in a process once it has compiled there (its
+#: cache directory, read when used; a pointer for its C++ wrapper code).
+_VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"})
 #: The environment the fork server imported the compile stack under (None: not started by us).
 _server_env: Optional[dict[str, str]] = None
 
