@@ -264,10 +264,11 @@ def compile_variant(run: Run, lm, variant: str):
     if variant == "default":
         if run.dev.type != "cuda":
             return torch.compile(wrapper, backend="aot_eager", dynamic=True)
-        return torch.compile(wrapper, mode=run.args.mode, dynamic=True)
+        return torch.compile(wrapper, mode=run.args.mode, dynamic=not run.args.static)
     kernel = {"auto": "auto", "fallback": UNAVAILABLE}.get(variant, variant)
-    # auto / fallback: static T unless the input is marked dynamic over its bucket (see the module doc)
-    dynamic = False if variant in ("auto", "fallback") else True
+    # auto / fallback: static T unless the input is marked dynamic over its bucket (see the module doc);
+    # --static: every variant, plain Inductor included, compiled for each T
+    dynamic = False if variant in ("auto", "fallback") or run.args.static else True
     return torch.compile(wrapper, backend="tokenweave", dynamic=dynamic, options=options_for(run, kernel))
 
 
@@ -365,7 +366,8 @@ def time_point(run: Run, arch: str, dims: str, t: int, live: dict, x_for: Callab
                          "layers": args.layers, "T": t, "variant": v, "kernel": labels[v], "ms_per_layer": f"{ms:.4f}",
                          "ratio_vs_default": f"{ratio:.4f}" if ratio else "", "spread": f"{spread:.3f}",
                          "ms_per_step": "", "tokens_equal": "", "source_hash": run.source_hash(labels[v]),
-                         "note": ""})
+                         "note": ("static: compiled for this T" if args.static
+                                  else "dynamic shapes (auto, fallback: per bucket)")})
         if run.rank == 0:
             print(f"{arch:10s} {dims:4s} T={t:6d} {v:10s} {ms:8.4f} ms/layer"
                   + (f"  {ratio:.3f}x default" if ratio else "") + f"  spread {100 * spread:.1f}%  [{labels[v]}]",
@@ -397,7 +399,7 @@ def measure(run: Run, arch: str, dims: str, variants: list[str], tokens: list[in
         inputs = {}
         for v in variants:
             x = base_x.clone()
-            span = (bucket_of or {}).get(t) if v in ("auto", "fallback") else None
+            span = (bucket_of or {}).get(t) if v in ("auto", "fallback") and not args.static else None
             if span is not None:
                 torch._dynamo.mark_dynamic(x, 1, min=span[0], max=span[1])
             inputs[v] = x
@@ -708,6 +710,8 @@ def parse(argv=None):
                     help="auto/fallback on the floor measured by this run (default) or on kernels/auto_table.py")
     ap.add_argument("--layers", type=int, help="decoder layers (default 2)")
     ap.add_argument("--mode", default="reduce-overhead")
+    ap.add_argument("--static", action="store_true",
+                    help="compile every variant (plain Inductor too) for each T, none with dynamic shapes")
     ap.add_argument("--comm-ctas", type=int, default=32, help="--ops: CTAs of the designs' kernels")
     ap.add_argument("--rounds", type=int, help="default 3")
     ap.add_argument("--iters", type=int, help="calls per timing, at most (default 5; fewer where a call is long)")

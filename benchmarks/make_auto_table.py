@@ -45,10 +45,12 @@ import collections
 import csv
 import functools
 import hashlib
+import io
 import os
 import pprint
 import subprocess
 import sys
+import tokenize
 from typing import Callable, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -82,15 +84,34 @@ DESIGN_SOURCES = {
 }
 
 
+def _char_col(line: str, byte_col: int) -> int:
+    """ast's column (UTF-8 bytes) as a character index into ``line``."""
+    return len(line.encode()[:byte_col].decode(errors="ignore"))
+
+
 def _normalized(text: str) -> str:
-    """The module's code without docstrings and comments (an edit of words leaves it unchanged)."""
-    tree = ast.parse(text)
-    for node in ast.walk(tree):
+    """The module's code without docstrings, comments and blank lines (an edit of words leaves it
+    unchanged). Built from the source text itself, not from ``ast.dump``, whose output differs
+    between Python releases: a design measured under the GPU machine's Python must fingerprint
+    the same here."""
+    lines = text.splitlines()
+    spans = []  # ((line, char col), (line, char col)) to cut, 1-based lines
+    for node in ast.walk(ast.parse(text)):
         body = getattr(node, "body", None)
         if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
                 and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
-            node.body = body[1:] or [ast.Pass()]
-    return ast.dump(tree, include_attributes=False)
+            e = body[0]
+            spans.append(((e.lineno, _char_col(lines[e.lineno - 1], e.col_offset)),
+                          (e.end_lineno, _char_col(lines[e.end_lineno - 1], e.end_col_offset))))
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type == tokenize.COMMENT:
+            spans.append((tok.start, tok.end))
+    for (l0, c0), (l1, c1) in sorted(spans, reverse=True):
+        if l0 == l1:
+            lines[l0 - 1] = lines[l0 - 1][:c0] + lines[l0 - 1][c1:]
+        else:
+            lines[l0 - 1:l1] = [lines[l0 - 1][:c0] + lines[l1 - 1][c1:]]
+    return "\n".join(line.rstrip() for line in lines if line.strip())
 
 
 def fingerprint(texts: dict[str, str]) -> str:

@@ -428,6 +428,10 @@ def test_fingerprints_ignore_words_but_not_code():
     assert m.fingerprint({"a.py": code}) == m.fingerprint({"a.py": code.replace("What f does.", "Other words.")
                                                                        .replace("# why", "")})
     assert m.fingerprint({"a.py": code}) != m.fingerprint({"a.py": code.replace("x + 1", "x + 2")})
+    # The code's own text, so the GPU machine's Python fingerprints what this one does (ast.dump
+    # differs between releases); docstrings with non-ASCII words and comments cut by column.
+    wordy = 'def f(x):\n    """What f does \u2264 more.\n    Two lines."""\n    return x + 1  # why \u2014\n\n\nS = "# kept"\n'
+    assert m._normalized(wordy) == 'def f(x):\n    return x + 1\nS = "# kept"'
     for design, entries in m.DESIGN_SOURCES.items():  # every listed source exists
         assert design in kernels.names()
         for entry in entries:
