@@ -12,6 +12,7 @@ reported as timed out, so a hang fails a test instead of stalling CI.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
@@ -21,7 +22,7 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 # Ranks share the machine: keep each to one intra-op thread so two ranks on two cores do not
 # oversubscribe (and Inductor's C++ compile workers stay in-process).
@@ -83,38 +84,53 @@ def _child(call, rank, world_size, backend, store_path, timeout_s, env, out_q):
     out_q.put((rank, payload))
 
 
-#: Environment variables that differ between calls without changing what an import reads:
-#: pytest's current test, and what Inductor sets in a process once it has compiled there (its
-#: cache directory, read when used; a pointer for its C++ wrapper code).
-_VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"})
-#: The environment the fork server imported the compile stack under (None: not started by us).
-_server_env: Optional[dict[str, str]] = None
+#: Prefixes of the environment variables that the servers' imports read (torch and its compilers,
+#: Triton, transformers, the thread pools, this package). Others (pytest's, the shell's) do not
+#: matter to what a server imported.
+_IMPORT_ENV_PREFIXES = ("TORCH", "PYTORCH", "_TORCH", "TRITON", "CUDA", "NCCL", "HF_", "TRANSFORMERS", "OMP_", "MKL_",
+                        "WEAVE")
+#: ... except these, read when used, not at import: Inductor's cache directory and the pointer its
+#: C++ wrapper code finds there (Inductor writes both into the environment of a process that
+#: compiled), and the process-group debug level (``_child`` applies it).
+_READ_WHEN_USED = frozenset({"TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
+                             "TORCH_DISTRIBUTED_DEBUG"})
+_PRELOAD = "weave_compile.testing.rank_server"
+#: One fork server per environment (as :func:`_import_env` sees it) that ranks were started with.
+_servers: dict[tuple, Any] = {}
 
 
-def _comparable(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k not in _VOLATILE_ENV}
+def _import_env(env: dict[str, str]) -> tuple:
+    return tuple(sorted((k, v) for k, v in env.items()
+                        if k.startswith(_IMPORT_ENV_PREFIXES) and k not in _READ_WHEN_USED))
 
 
-def _context(child_env: dict[str, str]):
-    """Where the ranks start.
+@contextlib.contextmanager
+def _forking_from_server(child_env: dict[str, str]) -> Iterator[None]:
+    """Processes of the forkserver context started inside fork from the server of ``child_env``.
 
     Ranks fork from a server process that has imported torch and its compile stack once
     (:mod:`weave_compile.testing.rank_server`; importing them costs every rank several seconds of
-    CPU, and the suite starts hundreds of ranks). Those modules read some settings from the
-    environment when imported (Inductor's caches, say), so a rank forks from the server only if
-    its environment is the one the server imported them under; a call with another environment
-    (``env=``, a variable a test set) starts its ranks as fresh interpreters instead. Either way
-    every rank gets the caller's environment of the moment (``_child``)."""
-    global _server_env
+    CPU, and the suite starts hundreds of ranks). Those imports read some settings from the
+    environment (Inductor's caches, Triton's interpreter), so each environment gets a server of its
+    own, started in that environment. multiprocessing has one fork server per process; its
+    module-level entry point is pointed at this environment's server while the ranks start."""
     from multiprocessing import forkserver
 
-    if _server_env is None and getattr(forkserver._forkserver, "_forkserver_pid", None) is None:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["weave_compile.testing.rank_server"])
-        _server_env = _comparable({**os.environ, **CHILD_ENV})
-    if _server_env is not None and _comparable(child_env) == _server_env:
-        return mp.get_context("forkserver")
-    return mp.get_context("spawn")
+    key = _import_env(child_env)
+    server = _servers.get(key)
+    if server is None:
+        server = _servers[key] = forkserver.ForkServer()
+        server.set_forkserver_preload([_PRELOAD])
+    saved_env, saved_connect = dict(os.environ), forkserver.connect_to_new_process
+    try:
+        os.environ.clear()
+        os.environ.update(child_env)  # a server starting now inherits it
+        forkserver.connect_to_new_process = server.connect_to_new_process
+        yield
+    finally:
+        forkserver.connect_to_new_process = saved_connect
+        os.environ.clear()
+        os.environ.update(saved_env)
 
 
 def run_ranks(
@@ -128,7 +144,7 @@ def run_ranks(
 ) -> list[RankResult]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` rank processes; kill all after ``timeout`` s."""
     child_env = {**os.environ, **CHILD_ENV, **(env or {})}
-    ctx = _context(child_env)
+    ctx = mp.get_context("forkserver")
     call = pickle.dumps((fn, args))
     out_q = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="weave_ranks_") as tmp:
@@ -138,8 +154,9 @@ def run_ranks(
                         daemon=True)
             for r in range(world_size)
         ]
-        for p in procs:
-            p.start()
+        with _forking_from_server(child_env):
+            for p in procs:
+                p.start()
         results = {r: RankResult(rank=r) for r in range(world_size)}
         pending = set(range(world_size))
         deadline = time.monotonic() + timeout

@@ -4,27 +4,23 @@
 imports this module. Importing torch's compile stack (Dynamo, AOTAutograd, Inductor, DTensor) and
 transformers' model machinery, and Inductor's first CPU compile (toolchain and vector-ISA probes,
 code generators), cost each fresh process several seconds of CPU, and the suite starts hundreds
-of ranks on two cores. The server pays that once, in the ranks' environment
-(:data:`~weave_compile.testing.multiprocess.CHILD_ENV` applied first: Inductor reads some of it
-at import), then forgets what it compiled. The compile runs only where no GPU driver is present.
+of ranks on two cores. A server pays that once, started in the environment of the ranks it
+serves (Inductor and Triton read some of it at import), then forgets what it compiled. The
+compile runs only where no GPU driver is present.
 """
 
 import os
 
-from weave_compile.testing.multiprocess import CHILD_ENV
-
-os.environ.update(CHILD_ENV)
-
-import torch  # noqa: E402
-import torch._dynamo  # noqa: E402,F401
-import torch._functorch.aot_autograd  # noqa: E402,F401
-import torch._inductor.compile_fx  # noqa: E402,F401
-import torch.distributed  # noqa: E402,F401
-import torch.distributed._functional_collectives  # noqa: E402,F401
-import torch.distributed.tensor  # noqa: E402,F401
+import torch
+import torch._dynamo  # noqa: F401
+import torch._functorch.aot_autograd  # noqa: F401
+import torch._inductor.compile_fx  # noqa: F401
+import torch.distributed  # noqa: F401
+import torch.distributed._functional_collectives  # noqa: F401
+import torch.distributed.tensor  # noqa: F401
 
 try:  # the Hugging Face models' machinery (modeling, generation, tensor-parallel plans), where installed
-    import transformers  # noqa: E402
+    import transformers
 
     transformers.LlamaForCausalLM  # noqa: B018 - its lazy import loads what every causal LM shares
 except ImportError:
