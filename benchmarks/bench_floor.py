@@ -399,7 +399,7 @@ def measure(run: Run, arch: str, dims: str, variants: list[str], tokens: list[in
         inputs = {}
         for v in variants:
             x = base_x.clone()
-            span = (bucket_of or {}).get(t) if v in ("auto", "fallback") and not args.static else None
+            span = (bucket_of or {}).get(t) if v in ("auto", "fallback") else None
             if span is not None:
                 torch._dynamo.mark_dynamic(x, 1, min=span[0], max=span[1])
             inputs[v] = x
@@ -813,8 +813,8 @@ def measure_all(run: Run, args) -> None:
             phase = "auto"
         else:
             phase = "all"
-        bucket_of = buckets(run, HIDDEN[dims], args.tokens)
-        if run.rank == 0:
+        bucket_of = None if args.static else buckets(run, HIDDEN[dims], args.tokens)
+        if run.rank == 0 and bucket_of is not None:
             print(f"auto/fallback compiled per T bucket at {dims}: {bucket_of}", flush=True)
         for arch in args.archs:
             vs = variants_for(args, arch, phase)
