@@ -1,11 +1,11 @@
 """Run a function on N ranks in fresh processes, with a hard timeout.
 
 ``run_ranks(fn, world_size=2)`` starts one process per rank (forked from a server process that
-imported torch's compile stack once, with the caller's current environment), initializes a process group
-(gloo on CPU by default, NCCL with one GPU per rank when asked), calls ``fn(rank, world_size,
-*args)`` and returns one :class:`RankResult` per rank: the value, or the exception's traceback.
-A rank that does not finish before the deadline is killed together with every other rank and
-reported as timed out, so a hang fails a test instead of stalling CI.
+imported torch's compile stack once, with the caller's current environment), initializes a
+process group (gloo on CPU by default, NCCL with one GPU per rank when asked), calls
+``fn(rank, world_size, *args)`` and returns one :class:`RankResult` per rank: the value, or the
+exception's traceback. A rank that does not finish before the deadline is killed together with
+every other rank and reported as timed out, so a hang fails a test instead of stalling CI.
 
 ``fn`` and its arguments travel by pickle, so ``fn`` must be a module-level function.
 """
@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Optional
 
 # Ranks share the machine: keep each to one intra-op thread so two ranks on two cores do not
 # oversubscribe (and Inductor's C++ compile workers stay in-process).
-CHILD_ENV = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
+_CHILD_ENV = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
               # A graph served from Inductor's caches skips the passes, so explain() has no site
               # list: ranks always compile, whatever an earlier run left in the cache directory.
               "TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
@@ -143,7 +143,7 @@ def run_ranks(
     env: Optional[dict[str, str]] = None,
 ) -> list[RankResult]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` rank processes; kill all after ``timeout`` s."""
-    child_env = {**os.environ, **CHILD_ENV, **(env or {})}
+    child_env = {**os.environ, **_CHILD_ENV, **(env or {})}
     ctx = mp.get_context("forkserver")
     call = pickle.dumps((fn, args))
     out_q = ctx.Queue()
