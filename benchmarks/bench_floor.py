@@ -561,9 +561,9 @@ def first_difference(tokens: torch.Tensor, logits: torch.Tensor, ref_tokens: tor
     against the largest logit difference of the steps both saw the same prefix (a margin inside
     that difference is a rounding flip; one well outside it is a wrong result)."""
     diff = (tokens != ref_tokens).any(0).nonzero()
-    k = int(diff[0]) if len(diff) else tokens.shape[1]
-    if k >= tokens.shape[1]:
+    if not len(diff):
         return "tokens equal"
+    k = int(diff[0])
     b = int((tokens[:, k] != ref_tokens[:, k]).nonzero()[0])
     before = (logits[:, :k + 1] - ref_logits[:, :k + 1]).abs().max().item()  # step k's inputs are the same too
     margin = (ref_logits[b, k, ref_tokens[b, k]] - ref_logits[b, k, tokens[b, k]]).item()
