@@ -56,8 +56,10 @@ Tokens must be equal: the lm_head is replicated (its all_gather would leave half
 undefined on the fake group) and the fused op's collectives behave as the fake group's all_reduce
 does for plain Inductor (``fake_group.identity_collectives``: what that proves and what not is
 said there). Variants ``default``, ``auto`` (at T=1: the floor's choice) and ``nccl`` (forced, the
-fused op at every site). ``ms_per_step`` is a decode step (``generate`` of 40 new tokens minus 8,
-per token: host work of ``generate`` included, as a user sees it).
+fused op at every site), one model each (the same weights). ``ms_per_step`` is a decode step
+(``generate`` of 40 new tokens minus 8, per token: host work of ``generate`` included, as a user
+sees it), timed as the prefill points are: ``--rounds`` rounds of ``--repeats`` timings, the
+variants interleaved, the order reversed every other round; median and spread.
 
 ``--ops``: the local part of the designs ``auto`` would take on two GPUs, where the harness can:
 one call of the op alone at the same T and H, ``p2p`` and ``ce`` over 2 ranks emulated on this GPU
@@ -467,7 +469,11 @@ class StopAfter:
 
 
 def decode(run: Run, dims: str) -> None:
-    """README's generate() form on the fake group: tokens vs plain Inductor, ms per decode step."""
+    """README's generate() form on the fake group: tokens vs plain Inductor, ms per decode step.
+
+    One model per variant (the same seed: the same weights), each compiled by its own
+    ``generate()`` (transformers keeps a compiled call per model), so that all stay compiled and
+    recorded and the steps are timed interleaved in rounds, as the prefill points are."""
     import fake_group
     from transformers import CompileConfig, StoppingCriteriaList
 
@@ -476,11 +482,7 @@ def decode(run: Run, dims: str) -> None:
     args = run.args
     torch._dynamo.reset()
     weave_compile.reset()
-    lm = build("llama", dims, args.layers, run.dev)
-    if args.comm == "fake":  # sharded, its all_gather would leave half the logits undefined
-        lm.lm_head = build("llama", dims, args.layers, run.dev, tp=False).lm_head
     prompt, long, short = 16, args.decode_tokens, 8
-    ids = token_ids(prompt, lm.config.vocab_size, run.dev, batch=args.decode_batch)
     gen = dict(do_sample=False, cache_implementation="static", max_new_tokens=long, pad_token_id=0)
     if run.dev.type == "cuda":
         configs = {"default": CompileConfig(backend="inductor", fullgraph=True, dynamic=False, mode="reduce-overhead")}
@@ -494,61 +496,74 @@ def decode(run: Run, dims: str) -> None:
     configs["nccl"] = CompileConfig(**tw, options={**mode, "kernel": "nccl"})
     for cc in configs.values():
         cc._compile_all_devices = True
-    results = {}
     # On the fake group the fused op computes what the fake all_reduce gives plain Inductor (fake_group.py).
     identity = fake_group.identity_collectives if args.comm == "fake" else contextlib.nullcontext
-    for variant, cc in configs.items():
-        torch._dynamo.reset()
-        before = len(weave_compile.explain().graphs)
-        dynamo_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        try:
-            with identity(), torch.no_grad():
+    live, results = {}, {}
+    with identity(), torch.no_grad():
+        ids = None
+        for variant, cc in configs.items():
+            lm = build("llama", dims, args.layers, run.dev)
+            if args.comm == "fake":  # sharded, its all_gather would leave half the logits undefined
+                lm.lm_head = build("llama", dims, args.layers, run.dev, tp=False).lm_head
+            if ids is None:
+                ids = token_ids(prompt, lm.config.vocab_size, run.dev, batch=args.decode_batch)
+            before = len(weave_compile.explain().graphs)
+            dynamo_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            try:
                 for n in (long, short):  # compiles, records; the short run's stop criterion too
                     lm.generate(ids, compile_config=cc, min_new_tokens=n, **gen)
-                warm = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-                steps = []
-                for _ in range(3):
-                    t_long = _timed(run, lambda: lm.generate(ids, compile_config=cc, min_new_tokens=long, **gen))
-                    t_short = _timed(run, lambda: lm.generate(
-                        ids, compile_config=cc, min_new_tokens=short,
-                        stopping_criteria=StoppingCriteriaList([StopAfter(prompt + short)]), **gen))
-                    steps.append((t_long - t_short) / (long - short))
-                out = lm.generate(ids, compile_config=cc, min_new_tokens=long, return_dict_in_generate=True,
-                                  output_logits=True, **gen)
-            if torch._dynamo.utils.counters["stats"]["unique_graphs"] != warm:
-                raise VariantError("generate() compiled again while timed (a recompile per step?)")
-        except Exception as e:  # noqa: BLE001 - one variant's failure is reported, the others still run
-            run.skipped(f"decode {variant}", e)
-            continue
-        graphs = weave_compile.explain().graphs[before:]
-        sites = [s for g in graphs for s in g.sites]
-        compiled_any = torch._dynamo.utils.counters["stats"]["unique_graphs"] > dynamo_graphs
-        if not compiled_any or (variant != "default" and not graphs):
-            run.skipped(f"decode {variant}", VariantError("generate() compiled no graph (it would time eager)"))
-            continue
-        if variant == "nccl" and on_gpu_policy(run):
-            try:
-                check_sites(variant, sites, "nccl")
-            except VariantError as e:
+                lm.generate(ids, compile_config=cc, min_new_tokens=short,
+                            stopping_criteria=StoppingCriteriaList([StopAfter(prompt + short)]), **gen)
+                graphs = weave_compile.explain().graphs[before:]
+                sites = [s for g in graphs for s in g.sites]
+                if torch._dynamo.utils.counters["stats"]["unique_graphs"] == dynamo_graphs or (
+                        variant != "default" and not graphs):
+                    raise VariantError("generate() compiled no graph (it would time eager)")
+                if variant == "nccl" and on_gpu_policy(run):
+                    check_sites(variant, sites, "nccl")
+            except Exception as e:  # noqa: BLE001 - one variant's failure is reported, the others still run
                 run.skipped(f"decode {variant}", e)
                 continue
-        label = "default" if variant == "default" else site_label(sites)
-        logits = torch.stack([s.float().cpu() for s in out.logits], 1)  # [B, steps, vocab]
-        results[variant] = (out.sequences[:, prompt:].cpu(), statistics.median(steps), label, logits)
+            live[variant] = (lm, cc, "default" if variant == "default" else site_label(sites))
+        warm = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        steps = {v: [] for v in live}
+        order = list(live)
+        stop = StoppingCriteriaList([StopAfter(prompt + short)])
+        for r in range(args.rounds):
+            for v in (order if r % 2 == 0 else order[::-1]):
+                lm, cc, _ = live[v]
+                for _ in range(args.repeats):
+                    t_long = _timed(run, lambda: lm.generate(ids, compile_config=cc, min_new_tokens=long, **gen))
+                    t_short = _timed(run, lambda: lm.generate(ids, compile_config=cc, min_new_tokens=short,
+                                                              stopping_criteria=stop, **gen))
+                    steps[v].append((t_long - t_short) / (long - short))
+        for v, (lm, cc, label) in live.items():
+            out = lm.generate(ids, compile_config=cc, min_new_tokens=long, return_dict_in_generate=True,
+                              output_logits=True, **gen)
+            logits = torch.stack([s.float().cpu() for s in out.logits], 1)  # [B, steps, vocab]
+            results[v] = (out.sequences[:, prompt:].cpu(), steps[v], label, logits)
+    if torch._dynamo.utils.counters["stats"]["unique_graphs"] != warm:
+        run.failed.append("decode: generate() compiled again while timed (a recompile per step?)")
+        return
     ref = results.get("default")
-    for variant, (tokens, step_ms, label, logits) in results.items():
+    base = statistics.median(ref[1]) if ref is not None else None
+    for variant, (tokens, step_list, label, logits) in results.items():
+        step_ms = statistics.median(step_list)
+        spread = (max(step_list) - min(step_list)) / step_ms
         equal = "" if ref is None else str(bool(torch.equal(tokens, ref[0])))
         why = "" if equal != "False" else "; " + first_difference(tokens, logits, ref[0], ref[3])
-        ratio = "" if ref is None else f"{step_ms / ref[1]:.4f}"
+        ratio = "" if base is None else f"{step_ms / base:.4f}"
         run.rows.append({**run.meta, "scope": "decode", "arch": "llama", "dims": dims, "hidden": HIDDEN[dims],
                          "layers": args.layers, "T": args.decode_batch, "variant": variant, "kernel": label,
-                         "ms_per_layer": f"{step_ms / args.layers:.4f}", "ratio_vs_default": ratio, "spread": "",
-                         "ms_per_step": f"{step_ms:.4f}", "tokens_equal": equal, "source_hash": run.source_hash(label),
-                         "note": f"generate(), static cache, batch {args.decode_batch}, {long} new tokens"
+                         "ms_per_layer": f"{step_ms / args.layers:.4f}", "ratio_vs_default": ratio,
+                         "spread": f"{spread:.3f}", "ms_per_step": f"{step_ms:.4f}", "tokens_equal": equal,
+                         "source_hash": run.source_hash(label),
+                         "note": f"generate(), static cache, batch {args.decode_batch}, {long} new tokens, "
+                                 f"{args.rounds} rounds x {args.repeats}"
                                  + ("; identity collectives (fake_group.py)" if args.comm == "fake" else "") + why})
         if run.rank == 0:
-            print(f"decode {variant:8s} {step_ms:8.3f} ms/step  tokens equal to default: {equal or '-'}  [{label}]"
-                  + why, flush=True)
+            print(f"decode {variant:8s} {step_ms:8.3f} ms/step  spread {100 * spread:.1f}%  "
+                  f"tokens equal to default: {equal or '-'}  [{label}]" + why, flush=True)
         if equal == "False":
             run.failed.append(f"decode {variant}: tokens differ from plain Inductor's")
     run.write()
