@@ -76,7 +76,7 @@ def identity_run(rows: Rows, spec: FusedSpec) -> tuple[torch.Tensor, torch.Tenso
     res = torch.empty((T, H), dtype=spec.residual_dtype, device=x.device)
     addnorm.add_rmsnorm_rows(x, None, residual, rows.bias, rows.weight,
                              None if rows.scale is None else rows.scale.reshape(1), normed, res, n_valid=T,
-                             eps=spec.eps, mid_dtype=spec.mid_dtype, weight_offset=spec.weight_offset,
+                             eps=rows.eps(spec), mid_dtype=spec.mid_dtype, weight_offset=spec.weight_offset,
                              num_ctas=addnorm.ctas_for(spec, T))
     if not spec.residual_out_sharded:
         return normed, res

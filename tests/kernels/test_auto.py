@@ -121,12 +121,23 @@ def test_without_a_floor_measurement_the_gpu_fallback_leaves_the_site_as_written
 
 def test_the_gpu_fallback_that_cannot_run_either_leaves_the_site_as_written(symm, tables):
     tables(FLOOR=FLOOR)
-    # A device eps: only reference reads it there; no compiled implementation can run the site.
-    kernel, why = auto.choose("auto", site(num_tokens=8192, eps_on_device=True))
-    assert kernel == AS_WRITTEN and "eps is a device tensor" in why
-    assert "nccl, the GPU fallback, cannot run here either" in why
     kernel, why = auto.choose("nccl", site(num_tokens=8192, dtype=torch.float64))
     assert kernel == AS_WRITTEN and "not supported" in why
+    kernel, why = auto.choose("auto", site(num_tokens=8192, dtype=torch.float64))
+    assert kernel == AS_WRITTEN and "nccl, the GPU fallback, cannot run here either" in why
+
+
+def test_a_device_eps_goes_to_the_designs_that_read_it_there(symm, tables):
+    """Under dynamic shapes eps reaches the op as a device tensor: the symmetric-memory designs
+    read it on the host, so a site forced to one gets the GPU fallback, which reads it there."""
+    tables(FLOOR=FLOOR)
+    readers = sorted(e.name for e in registry.implementations() if e.takes_eps_tensor)
+    assert readers == ["nccl", "reference"], readers
+    kernel, why = auto.choose("p2p", site(num_tokens=8192, eps_on_device=True))
+    assert why.startswith("requested 'p2p' unavailable: eps is a device tensor: only reference, nccl read it"), why
+    assert kernel == "nccl" and "GPU fallback nccl" in why, (kernel, why)  # the floor: nccl faster at 8K
+    kernel, why = auto.choose("auto", site(num_tokens=16, eps_on_device=True))
+    assert kernel == AS_WRITTEN and "cannot run here" not in why, (kernel, why)  # the floor: slower at 16
 
 
 def test_under_the_split_the_fallback_is_the_compiled_design(symm, tables):

@@ -143,3 +143,31 @@ def test_the_runtime_fallback_on_cuda_tensors_runs_nccl(group, caplog):  # noqa:
     # Under the fake group's all_reduce (x itself is the sum), the site as written.
     want, _ = allreduce_add_rmsnorm_ref([x], res, None, w, eps=1e-6)
     assert rel_err(normed, want) < BF16_TOL
+
+
+def test_forced_nccl_records_cuda_graphs_under_dynamic_shapes(group):  # noqa: F811
+    """``dynamic=True`` makes each norm's eps a host graph input; the pass copies it to the device
+    once (a host tensor reaching the op inside a CUDA-graph partition fails the recording), and
+    the add+norm kernel reads it there. Two token counts, one compile: both recorded, replayed,
+    equal to plain Inductor's under the same collectives."""
+    import weave_compile
+    from weave_compile.testing.numerics import rel_err
+
+    d, model = _model()
+    torch._dynamo.reset()
+    weave_compile.reset()
+    got, plain = {}, {}
+    with fake_group.identity_collectives(), counting() as counted:
+        ref = torch.compile(model, mode="reduce-overhead", dynamic=True)
+        tw = torch.compile(model, backend="tokenweave", dynamic=True,
+                           options={"kernel": "nccl", "mode": "reduce-overhead", "shard_residual": False})
+        for t in (48, 80):
+            tokens = torch.randint(0, d.vocab, (1, t), device="cuda", generator=torch.Generator("cuda").manual_seed(t))
+            plain[t] = _run(ref, tokens)
+            got[t] = _run(tw, tokens)
+        sites = [s for g in weave_compile.explain().graphs for s in g.sites]
+    assert sites and all(s.fused and s.kernel == "nccl" for s in sites), [(s.kernel, s.reason) for s in sites]
+    assert all("eps a graph input" in s.reason for s in sites), sites[0].reason
+    assert counted.get("nccl", 0) > 0 and counted.get("reference", 0) == 0, counted
+    for t in got:
+        assert rel_err(got[t], plain[t]) < BF16_TOL, t

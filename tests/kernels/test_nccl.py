@@ -39,6 +39,10 @@ def _make(case, seed, world):
     return partials, residual, bias, weight
 
 
+def _eps(case: int) -> float:
+    return 0.5 if case % 2 else 1e-5
+
+
 def _run(rank, world, seed):
     from weave_compile.ops import allreduce_add_rmsnorm as op
 
@@ -50,8 +54,11 @@ def _run(rank, world, seed):
         if in_sh and residual is not None:
             residual = torch.nn.functional.pad(residual, (0, 0, 0, per * world - T))[rank * per:(rank + 1) * per]
         scale = torch.tensor(0.75) if scaled else None
-        outs.append(op(partials[rank], residual, bias, weight, 1e-5, "0", dt, dt, None, 0.0, in_sh, out_sh,
-                       "nccl", 4, scale))
+        # Every other case gives eps as a 0-d tensor (as the pass does under dynamic shapes), its
+        # float 0, and large enough that reading the float instead would fail.
+        eps_t = torch.tensor(_eps(i), dtype=torch.float64) if i % 2 else None
+        outs.append(op(partials[rank], residual, bias, weight, 0.0 if i % 2 else _eps(i), "0", dt, dt, None, 0.0,
+                       in_sh, out_sh, "nccl", 4, scale, eps_tensor=eps_t))
     return outs
 
 
@@ -62,7 +69,7 @@ def test_nccl_kernel_matches_float64(world):
     for i, case in enumerate(CASES):
         T, H, dt, _, _, in_sh, out_sh, scaled = case
         partials, residual, bias, weight = _make(case, seed + i, world)
-        y, acc = allreduce_add_rmsnorm_ref(partials, residual, bias, weight, eps=1e-5,
+        y, acc = allreduce_add_rmsnorm_ref(partials, residual, bias, weight, eps=_eps(i),
                                            scale=torch.tensor(0.75) if scaled else None)
         per = rows_per_rank(T, world)
         for rank, outs in enumerate(results):

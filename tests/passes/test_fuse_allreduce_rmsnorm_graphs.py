@@ -78,10 +78,63 @@ def test_eps_graph_input_is_passed_to_the_op(group):
     (op,) = _fused(graph)
     assert rep.matched_count == 1 and "(eps a graph input)" in rep.sites[0].reason
     eps_node = _arg(op, "eps_tensor")
-    # The op reads the host input itself, not its fp32 cast: Inductor may move a cast whose only
-    # reader is the op to the GPU, and the op would then read eps from device memory (a sync).
+    # On a host graph the op reads the host input itself, not its fp32 cast (a cast whose only
+    # reader is the op is a node Inductor may place elsewhere).
     assert eps_node.op == "placeholder" and eps_node.name.startswith("eps"), eps_node.format_node()
     assert eps_node.meta["val"].dim() == 0 and eps_node.meta["val"].device.type == "cpu"
+
+
+def _run_cuda(fn, *inputs, **options):
+    """``_run`` on fake CUDA tensors (a 0-d float64 input stays on the host, as Dynamo passes eps)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from weave_compile.config import TokenWeaveConfig
+    from weave_compile.passes.pass_manager import WeavePassManager
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        args = [torch.randn(s, dtype=d, device="cpu" if s == () else "cuda") for s, d in inputs]
+        gm = make_fx(fn, tracing_mode="fake")(*args)
+    pm = WeavePassManager(TokenWeaveConfig(**options), compiler="inductor")
+    pm(gm.graph)
+    return gm.graph, pm.graph_reports[0]
+
+
+@pytest.mark.parametrize("kernel", ["nccl", "p2p"])
+def test_a_host_eps_reaches_a_cuda_op_through_one_device_copy_at_the_start(group, kernel, monkeypatch):
+    """Under dynamic=True eps is a host graph input. A host tensor must not reach an op inside a
+    CUDA-graph partition (Inductor's recording rejects it), so the pass copies it to the device
+    once, before any other work, and every site reads that copy; the designs that read eps on the
+    host (p2p) give way to the GPU fallback, which reads it there."""
+
+    def f(x, res, w, eps):
+        outs = []
+        h = res
+        for xi in (x, 2 * x):  # two sites, one eps input
+            h = h + wait(ar_op(xi, "sum", group))
+            hf = h.float()
+            outs.append(w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps.to(torch.float32))))
+        return outs
+
+    from weave_compile.kernels import auto_table
+
+    # A floor where nccl wins at this T: the GPU fallback of a design that cannot run is nccl.
+    monkeypatch.setattr(auto_table, "FLOOR", {(2, H): {1: {"nccl": 0.9}, 16: {"nccl": 0.9}}})
+    monkeypatch.setattr(auto_table, "FLOOR_SOURCE", "test floor")
+    graph, rep = _run_cuda(f, ((T, H), BF16), ((T, H), BF16), ((H,), BF16), ((), torch.float64), kernel=kernel)
+    ops = _fused(graph)
+    assert len(ops) == 2 and all(s.kernel == "nccl" for s in rep.sites), [(s.kernel, s.kernel_reason) for s in rep.sites]
+    if kernel == "p2p":
+        assert all("eps is a device tensor" in s.kernel_reason for s in rep.sites), rep.sites[0].kernel_reason
+    copies = [n for n in graph.nodes if n.target == torch.ops.prims.device_put.default]
+    assert len(copies) == 1, [c.format_node() for c in copies]
+    (copy,) = copies
+    nodes = list(graph.nodes)
+    first_work = next(i for i, n in enumerate(nodes) if n.op != "placeholder")
+    assert nodes.index(copy) == first_work, graph
+    assert copy.args[0].op == "placeholder" and copy.args[2] is True  # the host input, non-blocking
+    assert copy.meta["val"].device.type == "cuda" and copy.meta["val"].dim() == 0
+    assert all(_arg(op, "eps_tensor") is copy for op in ops)
 
 
 def test_eps_cast_below_fp32_stays_the_cast(group):

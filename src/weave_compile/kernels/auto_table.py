@@ -20,11 +20,6 @@ INTERFERENCE_SOURCE = "no interference row measured on today's kernels (run benc
 
 INTERFERENCE = {}
 
-FLOOR_SOURCE = 'NVIDIA H200 results/floor.csv, fake process group (communication free), worst of gemma2, granite, llama, llama_bias, mixtral, commits 3d8f57b-dirty'
+FLOOR_SOURCE = "not measured on today's kernels (run benchmarks/bench_floor.py, then this script)"
 
-FLOOR = {(2, 4096): {1: {'nccl': 1.116},
-             16: {'nccl': 1.0248},
-             128: {'nccl': 1.5433},
-             1024: {'nccl': 1.0156},
-             4096: {'nccl': 0.9976},
-             8192: {'nccl': 1.0447}}}
+FLOOR = {}

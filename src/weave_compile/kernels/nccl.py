@@ -45,7 +45,7 @@ def fused_allreduce_rmsnorm_nccl(rows: Rows, spec: FusedSpec) -> tuple[torch.Ten
         normed_shard[n_mine:].zero_()
     addnorm.add_rmsnorm_rows(acc_in, None, residual, rows.bias, rows.weight,
                              None if rows.scale is None else rows.scale.reshape(1), normed_shard, res_shard,
-                             n_valid=n_mine, eps=spec.eps, mid_dtype=spec.mid_dtype,
+                             n_valid=n_mine, eps=rows.eps(spec), mid_dtype=spec.mid_dtype,
                              weight_offset=spec.weight_offset, num_ctas=addnorm.ctas_for(spec, S))
     normed = all_gather_rows(normed_shard, spec.group_name, world_size)[:T]
     if spec.residual_out_sharded:
@@ -59,4 +59,4 @@ def _check(site: Site) -> Optional[str]:
 
 IMPLEMENTATION = Implementation(
     "nccl", "NCCL reduce-scatter, the few-CTA add+norm kernel, NCCL all-gather (the overlap baseline)",
-    _check, fused_allreduce_rmsnorm_nccl, takes_scale=True, gpu_fallback=True)
+    _check, fused_allreduce_rmsnorm_nccl, takes_scale=True, takes_eps_tensor=True, gpu_fallback=True)

@@ -42,8 +42,7 @@ def reference_impl(rows: Rows, spec: FusedSpec) -> tuple[torch.Tensor, torch.Ten
             res_rows = pad_rows(rows.residual, padded)[rank * per_rank:(rank + 1) * per_rank]
         acc = acc + res_rows.float()
     res_shard = acc.to(spec.residual_dtype)
-    eps = spec.eps if rows.eps_tensor is None else rows.eps_tensor
-    normed_shard = norm_rows(res_shard, rows.weight, eps, spec.out_dtype, spec.mid_dtype, spec.weight_offset)
+    normed_shard = norm_rows(res_shard, rows.weight, rows.eps(spec), spec.out_dtype, spec.mid_dtype, spec.weight_offset)
 
     if spec.residual_out_sharded:
         return all_gather_rows(normed_shard, spec.group_name, world_size)[:total], res_shard

@@ -100,6 +100,10 @@ class Rows:
         return cls(x.reshape(-1, hidden), residual, None if bias is None else bias.reshape(hidden),
                    None if weight is None else weight.reshape(hidden), scale, eps_tensor, tuple(x.shape))
 
+    def eps(self, spec: FusedSpec):
+        """The norm's eps: ``eps_tensor`` where given (0-d, read where it lives), else ``spec.eps``."""
+        return spec.eps if self.eps_tensor is None else self.eps_tensor
+
     @property
     def num_tokens(self) -> int:
         return self.x.shape[0]

@@ -128,6 +128,8 @@ class SiteMatch:
         res_node, norm_out = self.residual_out, self.norm.out
         tres, tout = val(res_node), val(norm_out)
         eps_node = self.norm.eps if isinstance(self.norm.eps, fx.Node) else None
+        if eps_node is not None and tx.device.type != "cpu":
+            eps_node = eps_on_device(graph, fake_mode, eps_node, tx.device)
         insert_after = self.anchor
         scale = self.scale
         if isinstance(scale, float):  # the op takes a 0-d tensor
@@ -457,3 +459,29 @@ def _extra_readers(m: SiteMatch) -> list[tuple[fx.Node, list[fx.Node]]]:
                           f"{blocker.target}")
         out.append((c, others))
     return out
+
+
+def eps_on_device(graph: fx.Graph, fake_mode, eps: fx.Node, device: torch.device) -> fx.Node:
+    """A 0-d host eps as a tensor on ``device``, copied once per graph at its start; a device eps
+    as it is. (Its dtype stays: the implementations read it as fp32, as they compute.)
+
+    Why: under ``dynamic=True`` Dynamo makes a model's Python-float eps a host graph input, and a
+    host tensor must not reach the op where Inductor records CUDA graphs: it hands a host tensor
+    to a CUDA-graph partition as an input, which the recording rejects ("storage data ptrs are
+    not allocated in pool"; plain Inductor stages its own host scalars through one device copy).
+    The copy is non-blocking (a pageable 0-d source is staged at once, no device sync) and a
+    partition boundary of its own; a graph input's copy comes at the graph's start, so it splits
+    no partition. The implementations read eps from it on the device (``takes_eps_tensor``)."""
+    if val(eps).device == device:
+        return eps
+    for user in eps.users:
+        if user.meta.get("weave_eps_copy") == str(device):
+            return user
+    # A graph input: copied before any other work. A host node (a cast of one): right after it.
+    at = graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")) \
+        if eps.op == "placeholder" else graph.inserting_after(eps)
+    with at:
+        # prims.device_put, not aten._to_copy: the post-grad graph holds decomposed ops only.
+        node = call_with_meta(graph, fake_mode, torch.ops.prims.device_put.default, (eps, device, True))
+    node.meta["weave_eps_copy"] = str(device)
+    return node

@@ -118,7 +118,8 @@ def site_of(m: SiteMatch, config: TokenWeaveConfig, split: bool = False) -> kern
         split=split,
         sequence_parallel=m.collective.scatters,
         has_scale=m.scale is not None,
-        eps_on_device=isinstance(eps, fx.Node) and val(eps).device.type != "cpu",
+        # A tensor eps reaches the op on the site's device (allreduce_site.eps_on_device).
+        eps_on_device=isinstance(eps, fx.Node) and (val(eps).device.type != "cpu" or tx.device.type != "cpu"),
         out_in_place=config.output_in_place, comm_ctas=config.comm_ctas, terms=_terms(m))
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -214,12 +214,14 @@ if HAS_TRITON:
         HAS_MID: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
         HAS_WEIGHT: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr = False,
         SLOTS_P2: tl.constexpr = 1, CHUNK: tl.constexpr = 0, DEPTH: tl.constexpr = 1,
-        HAS_ABORT: tl.constexpr = False,
+        HAS_ABORT: tl.constexpr = False, EPS_PTR: tl.constexpr = False,
     ):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         cols = tl.arange(0, BLOCK_H)
         cmask = cols < HIDDEN
+        if EPS_PTR:  # eps a 0-d device tensor (a graph input under dynamic shapes), read once per CTA
+            eps = tl.load(eps).to(tl.float32)
         # Loop invariants, loaded once per CTA (the one-warp-per-row loop re-reads them per chunk).
         if CHUNK == 0:
             b, w = norm_params(BIAS, WEIGHT, cols, cmask, weight_offset, HAS_BIAS, HAS_WEIGHT)
@@ -314,7 +316,7 @@ def add_rmsnorm_rows(
     res_out: torch.Tensor,
     *,
     n_valid: int,
-    eps: float,
+    eps: Union[float, torch.Tensor],
     mid_dtype: Optional[torch.dtype],
     weight_offset: float,
     num_ctas: int,
@@ -327,6 +329,7 @@ def add_rmsnorm_rows(
 
     ``x`` [>= n_valid, H] (row stride free, unit column stride); ``recv`` [slots, >= n_valid, H]
     contiguous rows, or None; ``residual`` [>= n_valid, H] or None; ``scale`` a 1-element tensor;
+    ``eps`` a number or a 0-d tensor on ``x``'s device (read there: no host sync);
     ``abort`` an int32 word or None: where it is not 0 every output is NaN (the ``ce`` watchdog's
     poison). Rows of ``normed`` past ``n_valid`` are not touched. ``preload``: compile and load the
     kernel this call would launch (its module and function handles), launch nothing, and return
@@ -380,7 +383,7 @@ def kernel_args(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, cfg
             scale if scale is not None else dummy, abort if abort is not None else dummy, normed, res_out,
             int(n_valid), int(n_res_rows), x.stride(0), recv.stride(0) if recv is not None else 0,
             residual.stride(0) if residual is not None else 0, normed.stride(0), res_out.stride(0),
-            float(eps), float(weight_offset))
+            eps if isinstance(eps, torch.Tensor) else float(eps), float(weight_offset))
     kwargs = dict(
         NUM_SLOTS=slots, HIDDEN=hidden, BLOCK_H=next_pow2(hidden), BLOCK_ROWS=cfg.block_rows,
         NUM_STAGES=cfg.num_stages, RES_DTYPE=tl_dtype(res_out.dtype), OUT_DTYPE=tl_dtype(normed.dtype),
@@ -388,7 +391,8 @@ def kernel_args(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, cfg
         HAS_MID=mid_dtype is not None, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, INTERPRET=interpreting(),
         PREFETCH=bool(cfg.prefetch), SLOTS_P2=next_pow2(max(1, slots)), CHUNK=int(cfg.chunk),
-        DEPTH=int(cfg.depth), HAS_ABORT=abort is not None, num_warps=cfg.num_warps, num_stages=1)
+        DEPTH=int(cfg.depth), HAS_ABORT=abort is not None, EPS_PTR=isinstance(eps, torch.Tensor),
+        num_warps=cfg.num_warps, num_stages=1)
     return args, kwargs
 
 
