@@ -698,7 +698,8 @@ def plot(rows: list[dict], path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6, ncol=2)
     meta = rows[0]
-    fig.suptitle(f"floor: {meta['gpu']}, {meta['comm']} group of {meta['world_size']}, {meta['git_commit']}, "
+    commits = ", ".join(sorted({r["git_commit"] for r in model}))  # --keep merges runs of several commits
+    fig.suptitle(f"floor: {meta['gpu']}, {meta['comm']} group of {meta['world_size']}, commits {commits}, "
                  f"torch {meta['torch']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
