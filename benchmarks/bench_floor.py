@@ -30,6 +30,9 @@ written) on the same model in the same rounds:
   (``kernels/auto.py``).
 * ``fallback``    ``kernel="multimem"`` forced where it cannot run (no multicast here): the GPU
   fallback of a forced design, the same choice as ``auto`` here (``--fallback-archs``, default llama).
+* ``inductor_again`` (only where ``--variants`` names it) plain Inductor compiled a second time,
+  timed beside ``auto``: the control for a site left as written, whose graph is plain Inductor's
+  (how far two compiles of one graph read apart).
 
 ``kernel`` in the CSV is what ran, from ``explain()``: the implementation(s) of the fused sites and
 ``as written`` for sites left alone. The choice ``auto`` and ``fallback`` make depends on T (the
@@ -106,6 +109,8 @@ TOKENS = (1, 16, 128, 512, 1024, 4096, 8192, 16384)
 IMPLEMENTATIONS = ("nccl", "reference", "ce")  # forced designs that can run on the fake group
 VARIANTS = ("default",) + IMPLEMENTATIONS + ("auto", "fallback")
 UNAVAILABLE = "multimem"  # forced by ``fallback``: no multicast on these machines, nor on a fake group
+#: plain Inductor compiled a second time, timed beside auto: what two compiles of one graph differ by
+CONTROL = "inductor_again"
 AS_WRITTEN = "as written"
 #: --smoke: small dims of every arch (hf.make_config overrides over the "tiny" preset)
 SMOKE = dict(hidden_size=1024, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
@@ -262,8 +267,8 @@ def options_for(run: Run, kernel: str) -> dict:
 
 def compile_variant(run: Run, lm, variant: str):
     """The compiled callable of ``variant`` (compiling happens at its first calls)."""
-    wrapper = Decoder(lm)
-    if variant == "default":
+    wrapper = Decoder(lm)  # one per variant: its own Dynamo cache entry, so its own compile
+    if variant in ("default", CONTROL):
         if run.dev.type != "cuda":
             return torch.compile(wrapper, backend="aot_eager", dynamic=True)
         return torch.compile(wrapper, mode=run.args.mode, dynamic=not run.args.static)
@@ -317,8 +322,8 @@ def first_calls(run: Run, variant: str, c, x: torch.Tensor) -> str:
         torch.cuda.synchronize()
     if run.watch.fallbacks:
         raise VariantError(f"{variant}: a fused op fell back at run time: {run.watch.fallbacks[0]}")
-    if variant == "default":
-        return "default"
+    if variant in ("default", CONTROL):
+        return variant
     graphs = weave_compile.explain().graphs[before:]
     label = getattr(c, "_floor_label", None)
     if graphs:
@@ -765,7 +770,7 @@ def parse(argv=None):
     bad = [a for a in args.archs if a not in hf.ARCHS]
     if bad:
         ap.error(f"--archs: {bad} not in {sorted(hf.ARCHS)}")
-    allowed = set(VARIANTS) | ({"p2p", "oneshot"} if args.comm == "nccl" else set())
+    allowed = set(VARIANTS) | {CONTROL} | ({"p2p", "oneshot"} if args.comm == "nccl" else set())
     if set(args.variants) - allowed or "default" not in args.variants:
         ap.error(f"--variants: {sorted(set(args.variants) - allowed) or 'default missing'}; allowed: {sorted(allowed)}")
     if args.comm == "nccl" and args.floor == "measured":
@@ -785,9 +790,9 @@ def variants_for(args, arch: str, phase: str) -> list[str]:
             continue
         if v == "fallback" and not fb_all:
             continue
-        if phase == "impl" and v in ("auto", "fallback"):
+        if phase == "impl" and v in ("auto", "fallback", CONTROL):
             continue
-        if phase == "auto" and v not in ("default", "auto", "fallback"):
+        if phase == "auto" and v not in ("default", "auto", "fallback", CONTROL):
             continue
         out.append(v)
     return out

@@ -46,6 +46,9 @@ def test_what_each_architecture_times_in_each_phase():
     assert bench_floor.variants_for(a, "mixtral", "auto") == ["default", "auto"]
     a = bench_floor.parse(["--impl-archs", "all", "--fallback-archs", "all"])
     assert bench_floor.variants_for(a, "gemma2", "all") == list(bench_floor.VARIANTS)
+    a = bench_floor.parse(["--variants", "default,nccl,auto,inductor_again"])  # the control: beside auto only
+    assert bench_floor.variants_for(a, "llama", "impl") == ["default", "nccl"]
+    assert bench_floor.variants_for(a, "llama", "auto") == ["default", "auto", "inductor_again"]
 
 
 def _site(fused, kernel="-", reason="", kernel_reason=""):
@@ -101,7 +104,7 @@ def test_a_smoke_run_on_cpu_writes_every_part(tmp_path):
 
     script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_floor.py")
     out = subprocess.run([sys.executable, script, "--smoke", "--tokens", "1,64", "--out", str(tmp_path), "--variants",
-                          "default,nccl,auto,fallback"], capture_output=True, text=True, timeout=900,
+                          "default,nccl,auto,fallback,inductor_again"], capture_output=True, text=True, timeout=900,
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     path = tmp_path / "floor_smoke.csv"
     assert path.exists(), out.stdout[-3000:] + out.stderr[-3000:]
@@ -109,7 +112,8 @@ def test_a_smoke_run_on_cpu_writes_every_part(tmp_path):
         rows = list(csv.DictReader(f))
     assert set(rows[0]) == set(bench_floor.COLUMNS)
     model = {(r["T"], r["variant"]) for r in rows if r["scope"] == "model"}
-    assert model == {(t, v) for t in ("1", "64") for v in ("default", "nccl", "auto", "fallback")}, model
+    assert model == {(t, v) for t in ("1", "64") for v in ("default", "nccl", "auto", "fallback", "inductor_again")}, model
+    assert {r["kernel"] for r in rows if r["variant"] == "inductor_again"} == {"inductor_again"}
     assert all(r["ratio_vs_default"] for r in rows if r["scope"] == "model")
     decode = {r["variant"]: r for r in rows if r["scope"] == "decode"}
     assert decode["default"]["tokens_equal"] == "True" and decode["auto"]["tokens_equal"] == "True", decode
