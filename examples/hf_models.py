@@ -167,7 +167,15 @@ def resolved_plan(model_or_config) -> dict:
     plan = dict(getattr(getattr(model_or_config, "config", model_or_config), "base_model_tp_plan", None) or {})
     if hasattr(model_or_config, "config"):
         plan.update({k.removeprefix("model."): v for k, v in (getattr(model_or_config, "tp_plan", None) or {}).items()})
+        if _ep_size(model_or_config) > 1:  # the expert-parallel plan (5.25's MoE experts) wins where both name a module
+            plan.update({k.removeprefix("model."): v
+                         for k, v in (getattr(model_or_config, "ep_plan", None) or {}).items()})
     return plan
+
+
+def _ep_size(model) -> int:
+    dc = getattr(model, "distributed_config", None) or getattr(model.config, "distributed_config", None)
+    return int(getattr(dc, "ep_size", None) or 1)
 
 
 def vocab_parallel_embedding(model_or_config) -> bool:
@@ -180,8 +188,9 @@ def vocab_parallel_embedding(model_or_config) -> bool:
 
 
 #: plan styles whose module output is reduced with one all_reduce (row-parallel Linear, the
-#: experts' weighted sum)
-_REDUCING_STYLES = ("rowwise", "moe_tp_experts")
+#: experts' weighted sum; with ``ep_size`` equal to the TP size, 5.25's expert dispatch is an
+#: all_reduce of each rank's experts' outputs, ``AllReduceEP``)
+_REDUCING_STYLES = ("rowwise", "moe_tp_experts", "ep_dispatch_experts")
 
 
 def reduced_modules(model) -> list[str]:
@@ -220,7 +229,8 @@ def expected_fused_sites(model) -> int:
     separately (DeepSeek-V3) has one site after the merge pass. Which modules are reduced depends
     on the transformers release: 5.17 shards the embedding of tied models only and no GraniteMoE
     (the fallback plan in ``ARCHS`` does) nor Qwen2-MoE experts; 5.24 shards every embedding and
-    those experts, and GraniteMoE's experts but not its attention.
+    those experts, and GraniteMoE's experts but not its attention; 5.25 shards experts through
+    the expert-parallel plan only (with ``ep_size`` > 1) and GraniteMoE's attention too.
     """
     return expected_all_reduces(model) - merged_pairs(model)
 

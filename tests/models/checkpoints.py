@@ -3,8 +3,10 @@
 :func:`save` writes ``save_pretrained`` of a tiny random model of one ``testing.hf.ARCHS``
 architecture; :func:`load_tp` is the call README shows, ``from_pretrained(path,
 distributed_config=DistributedConfig(tp_size=N, tp_plan="auto"))``, which transformers 5.17 and
-later accept (the standalone ``tp_plan=``/``tp_size=`` arguments are deprecated there). Nothing
-is prepared afterwards: the model keeps every hook and parameter transformers gives it.
+later accept (the standalone ``tp_plan=``/``tp_size=`` arguments are deprecated there); MoE
+models on releases whose experts are in the expert-parallel plan only add ``ep_size=N``
+(:func:`experts_outside_tp_plan`). Nothing is prepared afterwards: the model keeps every hook and
+parameter transformers gives it.
 """
 
 from __future__ import annotations
@@ -40,8 +42,19 @@ def load_tp(path: str, world_size: int, dtype: torch.dtype = torch.float32):
     if not getattr(config, "base_model_tp_plan", None):
         spec = next((a for a in ARCHS.values() if a.config_cls == type(config).__name__ and a.tp_plan), None)
         plan = {f"model.{k}": v for k, v in spec.tp_plan.items()} if spec is not None else plan
+    extra = {"ep_size": world_size} if experts_outside_tp_plan(config) else {}
     return AutoModelForCausalLM.from_pretrained(
-        path, distributed_config=DistributedConfig(tp_size=world_size, tp_plan=plan), dtype=dtype).eval()
+        path, distributed_config=DistributedConfig(tp_size=world_size, tp_plan=plan, **extra), dtype=dtype).eval()
+
+
+def experts_outside_tp_plan(config) -> bool:
+    """Whether a MoE config shards its experts only through the expert-parallel plan (transformers
+    5.25 moved them there from the TP plans): then a user sharding the model over N ranks sets
+    ``ep_size=N`` too (transformers' ``AllReduceEP``: each rank runs its experts, an all_reduce sums
+    them), else every rank holds and runs every expert."""
+    tp = getattr(config, "base_model_tp_plan", None) or {}
+    ep = getattr(config, "base_model_ep_plan", None) or {}
+    return any("experts" in k for k in ep) and not any("experts" in k for k in tp)
 
 
 def load_unsharded(path: str, dtype: torch.dtype = torch.float32):
