@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections import Counter
 from typing import Any, Iterator, Optional
 
 import torch
