@@ -71,10 +71,11 @@ def host_input(eps: Union[float, fx.Node]) -> Union[float, fx.Node]:
     """The graph input a 0-d eps node converts (through dtype casts only), where that input is on
     the host and the casts round no further than fp32; else ``eps`` itself.
 
-    Why: a cast of a host scalar is a node Inductor may move to the device once its only reader is
-    the fused op (a CUDA graph then reads ``float(eps)`` from device memory: a sync, which breaks
-    capture). A graph input stays where the caller put it, so the op reads it without a sync; its
-    value rounds to the same fp32 in every implementation (they compute in fp32)."""
+    Why: a graph input stays where the caller put it. On the host the op reads it without a
+    device sync; for a CUDA site the pass copies it to the device once, at the graph's start,
+    outside every CUDA-graph partition (``allreduce_site.eps_on_device``), which a cast node
+    placed later in the graph would not allow. Its value rounds to the same fp32 in every
+    implementation (they compute in fp32)."""
     src = eps
     while isinstance(src, fx.Node) and cast_dtype(src) in (torch.float32, torch.float64):
         src = src.args[0]
