@@ -54,7 +54,9 @@ def experts_outside_tp_plan(config) -> bool:
     them), else every rank holds and runs every expert."""
     tp = getattr(config, "base_model_tp_plan", None) or {}
     ep = getattr(config, "base_model_ep_plan", None) or {}
-    return any("experts" in k for k in ep) and not any("experts" in k for k in tp)
+    # The modules the EP plan dispatches to (5.24+'s EP style; 5.17's plans differ), named by no TP
+    # rule (DeepSeek-V3's shared_experts stay in the TP plan).
+    return "ep_dispatch_experts" in ep.values() and not any(k in tp for k in ep)
 
 
 def load_unsharded(path: str, dtype: torch.dtype = torch.float32):

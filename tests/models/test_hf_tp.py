@@ -31,12 +31,14 @@ newest checked, 5.25, ``EXPECTED_524`` on 5.18-5.24; L = 2 layers here):
   ``(1 + w)`` in fp32; plus the vocab-parallel (tied) embedding, whose all_reduce -> * embed_scale
   (sqrt(H), a 0-d tensor) -> layer 0's input_layernorm.
 - granitemoe: 2L on 5.17 (which has no plan for it: ``ARCHS``' fallback plan shards attention and
-  experts), L + 1 on newer releases (their plan shards only the experts, and the embedding);
-  every site scaled by residual_multiplier.
+  experts), L + 1 on 5.24 (its plan shards only the experts, and the embedding), 2L + 1 on 5.25
+  (attention by the TP plan, experts by the EP plan); every site scaled by residual_multiplier.
+- On 5.25 MoE experts are sharded only by the expert-parallel plan (loaded with ``ep_size=2``:
+  ``checkpoints.load_tp``); its all_reduce of the experts' outputs takes the TP plans' place.
 - qwen2_moe: L on 5.17 (the experts stay replicated: o_proj only), 2L + 1 on newer releases: the
   experts' all_reduce -> + the gated shared expert (replicated, a second addend) -> view ->
   +residual -> norm.
-- deepseek_v3: L (+1). MLA attention is not in the plan (replicated: no all_reduce); layer 0 is
+- deepseek_v3: L (+1) up to 5.24, 2L + 1 on 5.25 (its plan shards MLA's o_proj too). Layer 0 is
   dense (down_proj); layer 1's routed experts and shared expert reduce separately (3 all_reduces
   before the passes on 5.17) and the merge pass makes them one all_reduce, fused: one site per
   layer and one collective fewer per MoE layer.
@@ -111,11 +113,12 @@ EXPECTED_524 = {
     "granitemoe": (_L + 1, _L + 1), "deepseek_v3": (_L + 1, _L + 2),
 }
 #: ... and with the newest release checked (5.25): the experts sharded by the expert-parallel plan
-#: (``ep_size=2``, checkpoints.load_tp), GraniteMoE's attention by the TP plan, DeepSeek-V3's MoE
-#: layer's routed and shared experts reducing separately (merged into one site)
+#: (``ep_size=2``, checkpoints.load_tp), GraniteMoE's attention by the TP plan too, DeepSeek-V3's
+#: dense layer's MLP and its attention's o_proj sharded (its MoE layer's routed and shared experts
+#: reduce separately: merged into one site)
 EXPECTED_NEWEST = {
     **EXPECTED_524,
-    "granitemoe": (_2L + 1, _2L + 1), "deepseek_v3": (_2L + 1, _2L + 1),
+    "granitemoe": (_2L + 1, _2L + 1), "deepseek_v3": (_2L + 1, _2L + 2),
 }
 
 # ----------------------------------------------------------------------------- on the ranks
