@@ -29,3 +29,22 @@ def test_rows_of_rank_count_the_real_rows_of_each_shard(t, n):
     counts = [rows_of_rank(t, s, r) for r in range(n)]
     assert sum(counts) == t and all(0 <= c <= s for c in counts)
     assert counts == sorted(counts, reverse=True)  # padding only at the end
+
+
+def test_group_size_rank_follows_groups_created_again_under_the_same_name():
+    """Group names restart at "0" after destroy_process_group: the answer must be the new group's."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from weave_compile.rows import group_size_rank
+
+    seen = []
+    for world, rank in ((2, 0), (4, 1)):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            name = dist.group.WORLD.group_name
+            seen.append((name, group_size_rank(name)))
+        finally:
+            dist.destroy_process_group()
+    assert seen[0][0] == seen[1][0], seen  # the premise: the same name twice
+    assert [v for _, v in seen] == [(2, 0), (4, 1)], seen

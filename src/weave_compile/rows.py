@@ -10,15 +10,17 @@ the RMSNorm of already-reduced rows in torch ops. The op layer and every impleme
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 
 
-@functools.lru_cache(maxsize=None)
 def group_size_rank(group_name: str) -> tuple[int, int]:
-    """``(world size, this rank)`` of the process group registered as ``group_name``."""
+    """``(world size, this rank)`` of the process group registered as ``group_name`` now.
+
+    Resolved on every call, never cached by name: names restart at "0" once the groups are
+    destroyed, so a process that creates its groups again (another world size, another rank)
+    would read the old group's values and compute wrong rows without an error."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     pg = _resolve_process_group(group_name)
