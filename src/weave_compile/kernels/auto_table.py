@@ -20,11 +20,6 @@ INTERFERENCE_SOURCE = "no interference row measured on today's kernels (run benc
 
 INTERFERENCE = {}
 
-FLOOR_SOURCE = 'NVIDIA H200 results/floor.csv, fake process group (communication free), worst of gemma2, granite, llama, llama_bias, mixtral, commits 4203132'
+FLOOR_SOURCE = "not measured on today's kernels (run benchmarks/bench_floor.py, then this script)"
 
-FLOOR = {(2, 4096): {512: {'nccl': 1.0006}, 16384: {'nccl': 0.9973}},
- (2, 8192): {1: {'nccl': 1.0524},
-             128: {'nccl': 1.0558},
-             1024: {'nccl': 1.0292},
-             4096: {'nccl': 0.9961},
-             16384: {'nccl': 1.047}}}
+FLOOR = {}
