@@ -20,8 +20,8 @@ sum).
 Variants, each timed against ``default`` (plain Inductor, the same model, its all_reduce as
 written) on the same model in the same rounds:
 
-* ``default``     ``torch.compile(mode="reduce-overhead", dynamic=True)``
-* ``nccl``, ``reference``, ``ce``   ``backend="tokenweave"`` with that ``kernel`` forced, dynamic T:
+* ``default``     ``torch.compile(mode="reduce-overhead")``
+* ``nccl``, ``reference``, ``ce``   ``backend="tokenweave"`` with that ``kernel`` forced:
   every fused site must run it (checked; anything else stops the variant). ``ce`` runs its local
   program (``benchmarks/fake_comm.py`` "local": the add+norm kernel and local copies, no transfer).
   ``reference``/``ce`` only on ``--impl-archs`` (default llama): they are not what a user gets.
@@ -30,16 +30,28 @@ written) on the same model in the same rounds:
   (``kernels/auto.py``).
 * ``fallback``    ``kernel="multimem"`` forced where it cannot run (no multicast here): the GPU
   fallback of a forced design, the same choice as ``auto`` here (``--fallback-archs``, default llama).
-* ``inductor_again`` (only where ``--variants`` names it) plain Inductor compiled a second time,
-  timed beside ``auto``: the control for a site left as written, whose graph is plain Inductor's
-  (how far two compiles of one graph read apart).
+* ``inductor_again`` (only where ``--variants`` names it) plain Inductor compiled a second time
+  (:func:`second_inductor`), timed beside ``auto``: the control for a site left as written, whose
+  program is plain Inductor's (how far two compiled instances of one program read apart).
+
+``code_vs_default``: whether Inductor generated the same program for the variant as for ``default``
+at that T (``weave_compile.testing.inductor_code``: the wrapper and every kernel, comments naming
+cache paths or FX nodes aside): ``same``, ``same but comments``, ``differs: N lines`` (``--code-diffs
+DIR`` writes the diffs), empty where the variant compiled nothing at that T (a dynamic compile made
+at an earlier T). Where a site is left as written the program should be plain Inductor's; then a
+ratio away from 1.00 is what two CUDA-graph instances of one program read apart (the
+``inductor_again`` control measures it), not a cost of the backend.
 
 ``kernel`` in the CSV is what ran, from ``explain()``: the implementation(s) of the fused sites and
 ``as written`` for sites left alone. The choice ``auto`` and ``fallback`` make depends on T (the
-floor: ``nccl`` where it was measured at least 2% faster, else as written), so they are compiled
-per bucket of T with one decision: ``T=1`` static (decode; Dynamo specializes size 1 anyway), the
-others ``mark_dynamic(min=, max=)`` over the bucket (the pass reads the range). Every other
-variant is one dynamic compile (plus T=1). ``--floor measured`` (default): per dims, every
+floor: ``nccl`` where it was measured at least 2% faster, else as written), so T is compiled per
+bucket of T with one decision: ``T=1`` static (decode; Dynamo specializes size 1 anyway), the
+others ``mark_dynamic(min=, max=)`` over the bucket (the pass reads the range). Every variant is
+compiled alike, ``dynamic=False`` with the same marks (the implementations' phase: one range for
+every T above 1), so that a variant differs from ``default`` by its backend alone:
+``dynamic=True`` would also turn each norm's eps (and a model's other float attributes) into graph
+inputs, a different program for plain Inductor with its own speed (docs/performance.md, section
+8). ``--static`` compiles every variant for each T. ``--floor measured`` (default): per dims, every
 architecture's implementations are timed first, the floor table is made from those rows by
 ``make_auto_table.floor_table`` (the function that makes the committed one from floor.csv) and
 installed in this process, then ``auto`` and ``fallback`` are compiled and timed on it beside a
@@ -101,8 +113,11 @@ from common import Timer, meta as run_meta, write_csv  # noqa: E402  (keeps NVLi
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from weave_compile.testing import inductor_code  # noqa: E402
+
 COLUMNS = ["gpu", "comm", "world_size", "scope", "arch", "dims", "hidden", "layers", "T", "variant", "kernel",
-           "ms_per_layer", "ratio_vs_default", "spread", "ms_per_step", "tokens_equal", "source_hash", "note",
+           "ms_per_layer", "ratio_vs_default", "spread", "code_vs_default", "ms_per_step", "tokens_equal", "source_hash",
+           "note",
            "torch", "triton", "git_commit", "date"]
 ARCHS = ("llama", "granite", "gemma2", "llama_bias", "mixtral")
 TOKENS = (1, 16, 128, 512, 1024, 4096, 8192, 16384)
@@ -268,15 +283,34 @@ def options_for(run: Run, kernel: str) -> dict:
 def compile_variant(run: Run, lm, variant: str):
     """The compiled callable of ``variant`` (compiling happens at its first calls)."""
     wrapper = Decoder(lm)  # one per variant: its own Dynamo cache entry, so its own compile
+    # Every variant alike: static T unless the input is marked dynamic over its bucket (the module
+    # doc); dynamic=True would also make each norm's eps a graph input, for some variants only.
+    if variant == CONTROL and run.dev.type == "cuda":
+        return torch.compile(wrapper, backend=second_inductor(run.args.mode), dynamic=False)
     if variant in ("default", CONTROL):
         if run.dev.type != "cuda":
-            return torch.compile(wrapper, backend="aot_eager", dynamic=True)
-        return torch.compile(wrapper, mode=run.args.mode, dynamic=not run.args.static)
+            return torch.compile(wrapper, backend="aot_eager", dynamic=False)
+        return torch.compile(wrapper, mode=run.args.mode, dynamic=False)
     kernel = {"auto": "auto", "fallback": UNAVAILABLE}.get(variant, variant)
-    # auto / fallback: static T unless the input is marked dynamic over its bucket (see the module doc);
-    # --static: every variant, plain Inductor included, compiled for each T
-    dynamic = False if variant in ("auto", "fallback") or run.args.static else True
-    return torch.compile(wrapper, backend="tokenweave", dynamic=dynamic, options=options_for(run, kernel))
+    return torch.compile(wrapper, backend="tokenweave", dynamic=False, options=options_for(run, kernel))
+
+
+def second_inductor(mode: str):
+    """Plain Inductor in ``mode`` as a backend equal to no other, so that Dynamo compiles the graph
+    again: ``torch.compile(mode=...)``'s own backend object compares equal to any other with the
+    same options, and Dynamo then serves the second wrapper from the first one's cache entry (one
+    compiled callable, one CUDA graph per shape, timed twice). This one goes through Inductor as the
+    backend's as-written graphs do (``compile_fx`` with the mode's options): Inductor's FX graph
+    cache gives the same program, loaded again, recorded into its own CUDA graphs."""
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = dict(list_mode_options(mode))
+
+    def inductor_again(gm, example_inputs):
+        return compile_fx(gm, example_inputs, config_patches=patches or None)
+
+    return inductor_again
 
 
 def buckets(run: Run, hidden: int, tokens: list[int]) -> dict[int, Optional[tuple[int, int]]]:
@@ -300,6 +334,12 @@ def buckets(run: Run, hidden: int, tokens: list[int]) -> dict[int, Optional[tupl
         if t is not None:
             run_.append(t)
     return out
+
+
+def one_range(tokens: list[int]) -> dict[int, Optional[tuple[int, int]]]:
+    """T=1 static, every other T in one range (a single token count above 1: static too)."""
+    rest = sorted(t for t in tokens if t > 1)
+    return {t: (rest[0], rest[-1]) if len(rest) > 1 and t > 1 else None for t in tokens}
 
 
 def on_gpu_policy(run: Run) -> bool:
@@ -342,8 +382,23 @@ def first_calls(run: Run, variant: str, c, x: torch.Tensor) -> str:
     return label or "?"
 
 
+def code_vs_default(run: Run, point: str, codes: dict[str, list[str]]) -> dict[str, str]:
+    """Per variant compiled at this point, whether Inductor generated the same program as for
+    ``default`` (``inductor_code.compare``; "" where either compiled nothing here: a dynamic compile
+    made at an earlier T). ``--code-diffs DIR``: each differing program's diff to ``DIR``."""
+    base = codes.get("default", [])
+    out = {v: inductor_code.compare(base, c) for v, c in codes.items() if v != "default"}
+    if run.args.code_diffs and run.rank == 0:
+        for v, verdict in out.items():
+            if verdict.startswith("differs"):
+                os.makedirs(run.args.code_diffs, exist_ok=True)
+                with open(os.path.join(run.args.code_diffs, f"{point}_{v}.diff"), "w") as f:
+                    f.write(inductor_code.diff(base, codes[v], ("default", v)) + "\n")
+    return out
+
+
 def time_point(run: Run, arch: str, dims: str, t: int, live: dict, x_for: Callable[[str], torch.Tensor],
-               labels: dict) -> None:
+               labels: dict, same: Optional[dict] = None) -> None:
     """Time ``live`` (variant -> compiled) at ``t`` in rounds; a row per variant."""
     args = run.args
     times = {v: [] for v in live}
@@ -372,9 +427,10 @@ def time_point(run: Run, arch: str, dims: str, t: int, live: dict, x_for: Callab
         run.rows.append({**run.meta, "scope": "model", "arch": arch, "dims": dims, "hidden": HIDDEN[dims],
                          "layers": args.layers, "T": t, "variant": v, "kernel": labels[v], "ms_per_layer": f"{ms:.4f}",
                          "ratio_vs_default": f"{ratio:.4f}" if ratio else "", "spread": f"{spread:.3f}",
+                         "code_vs_default": (same or {}).get(v, ""),
                          "ms_per_step": "", "tokens_equal": "", "source_hash": run.source_hash(labels[v]),
                          "note": ("static: compiled for this T" if args.static
-                                  else "dynamic shapes (auto, fallback: per bucket)")})
+                                  else "T marked dynamic over its bucket, every variant alike")})
         if run.rank == 0:
             print(f"{arch:10s} {dims:4s} T={t:6d} {v:10s} {ms:8.4f} ms/layer"
                   + (f"  {ratio:.3f}x default" if ratio else "") + f"  spread {100 * spread:.1f}%  [{labels[v]}]",
@@ -388,6 +444,8 @@ def measure(run: Run, arch: str, dims: str, variants: list[str], tokens: list[in
     import weave_compile
 
     args = run.args
+    if bucket_of is None:  # one decision for every T: T=1 static, the others one range
+        bucket_of = {} if args.static else one_range(tokens)
     torch._dynamo.reset()
     weave_compile.reset()
     start = time.monotonic()
@@ -406,11 +464,11 @@ def measure(run: Run, arch: str, dims: str, variants: list[str], tokens: list[in
         inputs = {}
         for v in variants:
             x = base_x.clone()
-            span = (bucket_of or {}).get(t) if v in ("auto", "fallback") else None
+            span = bucket_of.get(t)
             if span is not None:
                 torch._dynamo.mark_dynamic(x, 1, min=span[0], max=span[1])
             inputs[v] = x
-        live, labels = {}, {}
+        live, labels, codes = {}, {}, {}
         faulthandler.dump_traceback_later(args.watchdog_s, exit=True)
         try:
             for v in variants:
@@ -418,7 +476,8 @@ def measure(run: Run, arch: str, dims: str, variants: list[str], tokens: list[in
                     continue
                 t0 = time.monotonic()
                 try:
-                    labels[v] = first_calls(run, v, compiled[v], inputs[v])
+                    with inductor_code.captured() as codes[v]:
+                        labels[v] = first_calls(run, v, compiled[v], inputs[v])
                 except (VariantError, RuntimeError, torch.OutOfMemoryError) as e:
                     dead.add(v)
                     run.skipped(f"{arch} {dims} {v} from T={t} on", e)
@@ -426,9 +485,10 @@ def measure(run: Run, arch: str, dims: str, variants: list[str], tokens: list[in
                 live[v] = compiled[v]
                 if run.rank == 0 and time.monotonic() - t0 > 2:
                     print(f"   {v} at T={t}: first calls {time.monotonic() - t0:.1f} s", flush=True)
+            same = code_vs_default(run, f"{arch}_{dims}_T{t}", codes)
             if "default" in live and len(live) > 1:
                 try:
-                    time_point(run, arch, dims, t, live, inputs.__getitem__, labels)
+                    time_point(run, arch, dims, t, live, inputs.__getitem__, labels, same)
                 except (VariantError, RuntimeError, torch.OutOfMemoryError) as e:
                     run.skipped(f"{arch} {dims} T={t} timing", e)
         finally:
@@ -742,6 +802,8 @@ def parse(argv=None):
     ap.add_argument("--decode-batch", type=int, default=1)
     ap.add_argument("--decode-tokens", type=int, help="new tokens of the long generate() (>= 16; default 40)")
     ap.add_argument("--ops", action="store_true", help="also the op alone on emulated ranks (the designs' local part)")
+    ap.add_argument("--code-diffs", default="",
+                    help="folder for the diff of each variant's Inductor code that differs from default's")
     ap.add_argument("--keep", default="", help="CSV of an earlier run: its rows for (dims, arch) not measured now stay")
     ap.add_argument("--keep-going", action="store_true", default=True,
                     help="a variant that fails is listed and skipped, the others still run (default)")
@@ -836,7 +898,7 @@ def measure_all(run: Run, args) -> None:
             phase = "all"
         bucket_of = None if args.static else buckets(run, HIDDEN[dims], args.tokens)
         if run.rank == 0 and bucket_of is not None:
-            print(f"auto/fallback compiled per T bucket at {dims}: {bucket_of}", flush=True)
+            print(f"every variant compiled per T bucket at {dims}: {bucket_of}", flush=True)
         for arch in args.archs:
             vs = variants_for(args, arch, phase)
             if len(vs) > 1:
@@ -891,9 +953,18 @@ def summarize(rows: list[dict]) -> None:
             and float(r["ratio_vs_default"]) > 1.0]
     n = sum(r["scope"] == "model" and r["variant"] in ("auto", "fallback") for r in rows)
     print(f"summary: {n - len(miss)} of {n} auto/fallback points at <= 1.00x plain Inductor")
+    control = {(r["arch"], r["dims"], r["T"]): r["ratio_vs_default"] for r in rows
+               if r["scope"] == "model" and r["variant"] == CONTROL and r["ratio_vs_default"]}
     for r in miss:
+        again = control.get((r["arch"], r["dims"], r["T"]))
         print(f"  over: {r['arch']} {r['dims']} T={r['T']} {r['variant']} {r['ratio_vs_default']}x "
-              f"(spread {r['spread']}) [{r['kernel']}]")
+              f"(spread {r['spread']}) [{r['kernel']}]"
+              + (f" program: {r['code_vs_default']} as default's" if r.get("code_vs_default") else "")
+              + (f"; {CONTROL} {again}x" if again else ""))
+    if control:
+        off = sorted(abs(float(v) - 1.0) for v in control.values())
+        print(f"{CONTROL} (plain Inductor against itself) at {len(off)} points: |ratio - 1| "
+              f"median {statistics.median(off):.3f}, max {off[-1]:.3f}")
 
 
 if __name__ == "__main__":

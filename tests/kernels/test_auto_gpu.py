@@ -3,7 +3,8 @@
 The fake process group (rank 0 of 2) and ``benchmarks/fake_comm.py`` "local" (under which the
 symmetric-memory designs refuse fake groups): ``kernel="p2p"`` cannot run, so every site of a
 compiled TP Llama gets the GPU fallback's choice (``kernels/auto.py``): ``nccl`` where the floor
-measured it faster at that T, the site as written where it did not. The numbers are compared with
+measured it faster at that T, the site as written where it did not; where every site is left as written, Inductor generates the
+very program it generates for plain ``torch.compile`` (``testing.inductor_code``). The numbers are compared with
 the same model compiled by plain Inductor, both under CUDA graphs, with the fused op's collectives
 behaving as the fake group's all_reduce does for plain Inductor (``benchmarks/fake_group.py``; the
 residual kept whole so that every row is on this rank). ``reference``'s run is counted: it must
@@ -82,6 +83,7 @@ def test_a_forced_design_that_cannot_run_gets_the_compiled_fallback_on_a_gpu(gro
                                                                              nccl_ratio, want):
     import weave_compile
     from weave_compile.kernels import auto_table
+    from weave_compile.testing import inductor_code
     from weave_compile.testing.numerics import rel_err
 
     monkeypatch.setattr(auto_table, "FLOOR", {(2, H): {16: {"nccl": nccl_ratio}, 128: {"nccl": nccl_ratio}}})
@@ -91,10 +93,13 @@ def test_a_forced_design_that_cannot_run_gets_the_compiled_fallback_on_a_gpu(gro
     torch._dynamo.reset()
     weave_compile.reset()
     with fake_comm.installed("local"), fake_group.identity_collectives(), counting() as counted:
-        plain = _run(torch.compile(model, mode="reduce-overhead", dynamic=False), tokens)
+        with inductor_code.captured() as plain_code:
+            plain = _run(torch.compile(model, mode="reduce-overhead", dynamic=False), tokens)
         torch._dynamo.reset()
-        got = _run(torch.compile(model, backend="tokenweave", dynamic=False,
-                                 options={"kernel": "p2p", "mode": "reduce-overhead", "shard_residual": False}), tokens)
+        with inductor_code.captured() as code:
+            got = _run(torch.compile(model, backend="tokenweave", dynamic=False,
+                                     options={"kernel": "p2p", "mode": "reduce-overhead", "shard_residual": False}),
+                       tokens)
         sites = [s for g in weave_compile.explain().graphs for s in g.sites]
     assert sites, "no all_reduce site in the graph"
     for s in sites:
@@ -104,6 +109,9 @@ def test_a_forced_design_that_cannot_run_gets_the_compiled_fallback_on_a_gpu(gro
             assert "GPU fallback nccl" in s.kernel_reason and "test floor" in s.kernel_reason
         else:
             assert not s.fused and s.reason.startswith("left as written: requested 'p2p' unavailable"), s.reason
+    if not want:  # every site as written: the program plain Inductor generates, kernel for kernel
+        assert inductor_code.compare(plain_code, code) in ("same", "same but comments"), \
+            inductor_code.diff(plain_code, code, ("plain Inductor", "tokenweave"))[:4000]
     assert counted.get("reference", 0) == 0, counted
     if want:
         assert counted.get("nccl", 0) > 0, counted
