@@ -59,9 +59,11 @@ fresh ``default``: the rows show the choice the committed table will make once r
 this CSV. ``--floor committed`` times them on ``kernels/auto_table.py`` as it is (one pass).
 
 Timing: per T, every variant's first calls (compile, CUDA-graph recording), then ``--rounds``
-rounds of warm-up + ``--repeats`` x ``--iters`` back-to-back calls, the order reversed every other
-round (the GPU's speed drifts during a run), median per variant; ``spread`` is (max - min) /
-median over the rounds. ``ms_per_layer`` = per forward / ``--layers`` (the embedding and the final
+rounds (default: one per variant) of warm-up + ``--repeats`` x ``--iters`` back-to-back calls, the
+order rotated every round so that each variant takes each place once (:func:`in_round`);
+``ms_per_layer`` from the median per variant, ``ratio_vs_default`` the median over rounds of the
+variant's time over default's in the same round (the GPU's speed drifts during a run);
+``spread`` is (max - min) / median over the rounds. ``ms_per_layer`` = per forward / ``--layers`` (the embedding and the final
 norm amortized in).
 
 ``--decode`` (README's Hugging Face form): ``generate()`` with a static cache and
@@ -74,7 +76,7 @@ said there). Variants ``default``, ``auto`` (at T=1: the floor's choice) and ``n
 fused op at every site), one model each (the same weights). ``ms_per_step`` is a decode step
 (``generate`` of 40 new tokens minus 8, per token: host work of ``generate`` included, as a user
 sees it), timed as the prefill points are: ``--rounds`` rounds of ``--repeats`` timings, the
-variants interleaved, the order reversed every other round; median and spread.
+variants interleaved, the order rotated every round; median and spread.
 
 ``--ops``: the local part of the designs ``auto`` would take on two GPUs, where the harness can:
 one call of the op alone at the same T and H, ``p2p`` and ``ce`` over 2 ranks emulated on this GPU
@@ -86,7 +88,8 @@ hence every choice between them; ``--comm nccl`` under torchrun runs the model v
 
 Output: ``<out>/floor.csv`` (``floor_smoke.csv`` with ``--smoke``), written after every point, and a
 PNG of each variant's ratio to default per T, one panel per dims. ``--keep CSV``: rows of an earlier
-run for (dims, arch) this run does not measure stay in the file (run 8B and 70B as two commands).
+run for points (dims, arch, T) this run does not measure stay in the file (run 8B and 70B as two
+commands, or add a T).
 Budget flags: ``--archs``, ``--dims``, ``--tokens``, ``--variants``, ``--layers``, ``--rounds``.
 A point that hangs ends the run after ``--watchdog-s`` with every thread's stack.
 """
@@ -397,6 +400,22 @@ def code_vs_default(run: Run, point: str, codes: dict[str, list[str]]) -> dict[s
     return out
 
 
+def rounds_for(args, variants: int) -> int:
+    """``--rounds``, or as many rounds as there are variants (at least 3): each variant then takes
+    each place in the order once (:func:`in_round`)."""
+    return args.rounds or max(3, variants)
+
+
+def in_round(order: list[str], r: int) -> list[str]:
+    """The order of round ``r``: rotated by ``r``, so that over ``len(order)`` rounds every variant
+    is timed first, second, ... once. Reversing every other round instead leaves the middle
+    variants in the middle, and with an odd number of rounds puts the first variant first more
+    often than the last: a place in the order that costs time (the first timing after the Python
+    work between rounds) would then be charged to one variant."""
+    k = r % len(order)
+    return order[k:] + order[:k]
+
+
 def time_point(run: Run, arch: str, dims: str, t: int, live: dict, x_for: Callable[[str], torch.Tensor],
                labels: dict, same: Optional[dict] = None) -> None:
     """Time ``live`` (variant -> compiled) at ``t`` in rounds; a row per variant."""
@@ -410,19 +429,20 @@ def time_point(run: Run, arch: str, dims: str, t: int, live: dict, x_for: Callab
     if run.dev.type == "cuda":
         torch.cuda.synchronize()
     iters = max(2, min(args.iters, math.ceil(25.0 / max(1e-3, (time.perf_counter() - start) * 1e3))))
-    for r in range(args.rounds):
-        for v in (order if r % 2 == 0 else order[::-1]):
+    for r in range(rounds_for(args, len(order))):
+        for v in in_round(order, r):
             c, x = live[v], x_for(v)
             run.watch.fallbacks.clear()
             with torch.no_grad():
                 times[v].append(run.time(lambda: c(x), iters))
             if run.watch.fallbacks:
                 raise VariantError(f"{v}: a fused op fell back at run time: {run.watch.fallbacks[0]}")
-    base = statistics.median(times["default"]) if "default" in times else None
     for v in order:
         us = statistics.median(times[v])
         ms = us / 1e3 / args.layers
-        ratio = us / base if base else None
+        # Paired: the variant's time over default's in the same round (the GPU's speed drifts).
+        ratio = (statistics.median(a / b for a, b in zip(times[v], times["default"]))
+                 if "default" in times else None)
         spread = (max(times[v]) - min(times[v])) / us
         run.rows.append({**run.meta, "scope": "model", "arch": arch, "dims": dims, "hidden": HIDDEN[dims],
                          "layers": args.layers, "T": t, "variant": v, "kernel": labels[v], "ms_per_layer": f"{ms:.4f}",
@@ -594,8 +614,8 @@ def decode(run: Run, dims: str) -> None:
         steps = {v: [] for v in live}
         order = list(live)
         stop = StoppingCriteriaList([StopAfter(prompt + short)])
-        for r in range(args.rounds):
-            for v in (order if r % 2 == 0 else order[::-1]):
+        for r in range(rounds_for(args, len(order))):
+            for v in in_round(order, r):
                 lm, cc, _ = live[v]
                 for _ in range(args.repeats):
                     t_long = _timed(run, lambda: lm.generate(ids, compile_config=cc, min_new_tokens=long, **gen))
@@ -624,7 +644,7 @@ def decode(run: Run, dims: str) -> None:
                          "spread": f"{spread:.3f}", "ms_per_step": f"{step_ms:.4f}", "tokens_equal": equal,
                          "source_hash": run.source_hash(label),
                          "note": f"generate(), static cache, batch {args.decode_batch}, {long} new tokens, "
-                                 f"{args.rounds} rounds x {args.repeats}"
+                                 f"{rounds_for(args, len(results))} rounds x {args.repeats}"
                                  + ("; identity collectives (fake_group.py)" if args.comm == "fake" else "") + why})
         if run.rank == 0:
             print(f"decode {variant:8s} {step_ms:8.3f} ms/step  spread {100 * spread:.1f}%  "
@@ -747,21 +767,40 @@ def plot(rows: list[dict], path: str) -> None:
 
     model = [r for r in rows if r["scope"] == "model" and r["ratio_vs_default"]]
     dims = sorted({r["dims"] for r in model}) or ["-"]
+    colors = {"auto": "tab:blue", "fallback": "tab:orange", "nccl": "tab:green", "reference": "tab:red",
+              "ce": "tab:purple"}
     fig, axes = plt.subplots(1, len(dims), figsize=(6.5 * len(dims), 4.5), squeeze=False)
     for ax, d in zip(axes[0], dims):
-        curves = {(r["arch"], r["variant"]) for r in model if r["dims"] == d and r["variant"] != "default"}
-        for (arch, v) in sorted(curves):
-            pts = sorted((int(r["T"]), float(r["ratio_vs_default"])) for r in model
-                         if r["dims"] == d and r["arch"] == arch and r["variant"] == v)
-            style = {"auto": "o-", "fallback": "s--", "nccl": "^:", "reference": "x:", "ce": "d:"}.get(v, ".-")
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{arch} {v}", markersize=4)
+        at = [r for r in model if r["dims"] == d]
+        archs = sorted({r["arch"] for r in at})
+        # The control as a band: plain Inductor against itself, lowest to highest over the archs.
+        again = collections.defaultdict(list)
+        for r in at:
+            if r["variant"] == CONTROL:
+                again[int(r["T"])].append(float(r["ratio_vs_default"]))
+        if again:
+            ts = sorted(again)
+            ax.fill_between(ts, [min(again[t]) for t in ts], [max(again[t]) for t in ts], color="0.85",
+                            label=f"{CONTROL} (plain Inductor vs itself), range over archs")
+        # Each variant: every arch's point, and the median over archs as a line.
+        for v in [v for v in colors if any(r["variant"] == v for r in at)]:
+            by_t = collections.defaultdict(list)
+            for r in at:
+                if r["variant"] == v:
+                    by_t[int(r["T"])].append(float(r["ratio_vs_default"]))
+            ts = sorted(by_t)
+            ax.scatter([t for t in ts for _ in by_t[t]], [x for t in ts for x in by_t[t]], s=9, color=colors[v],
+                       alpha=0.45)
+            ax.plot(ts, [statistics.median(by_t[t]) for t in ts], "-" if v in ("auto", "fallback") else ":",
+                    color=colors[v], label=f"{v}: median over archs (dots: each arch)")
+        ax.text(0.01, 0.01, "archs: " + ", ".join(archs), transform=ax.transAxes, fontsize=6, va="bottom")
         ax.axhline(1.0, color="k", linewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("T (tokens, batch 1, prefill shape)")
         ax.set_ylabel("ms per layer / plain Inductor's")
         ax.set_title(f"{d} dims", fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6, ncol=2)
+        ax.legend(fontsize=6)
     meta = rows[0]
     commits = ", ".join(sorted({r["git_commit"] for r in model}))  # --keep merges runs of several commits
     fig.suptitle(f"floor: {meta['gpu']}, {meta['comm']} group of {meta['world_size']}, commits {commits}, "
@@ -794,7 +833,7 @@ def parse(argv=None):
     ap.add_argument("--static", action="store_true",
                     help="compile every variant (plain Inductor too) for each T, none with dynamic shapes")
     ap.add_argument("--comm-ctas", type=int, default=32, help="--ops: CTAs of the designs' kernels")
-    ap.add_argument("--rounds", type=int, help="default 3")
+    ap.add_argument("--rounds", type=int, help="default: one per variant timed together (at least 3)")
     ap.add_argument("--iters", type=int, help="calls per timing, at most (default 5; fewer where a call is long)")
     ap.add_argument("--repeats", type=int, help="timings per round (default 3)")
     ap.add_argument("--decode", action="store_true", help="also the generate() decode check and its step time")
@@ -811,7 +850,7 @@ def parse(argv=None):
     ap.add_argument("--watchdog-s", type=float, default=420.0, help="end the run when one T of one arch takes longer")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
-    defaults = dict(dims="8b,70b", archs=",".join(ARCHS), tokens=",".join(map(str, TOKENS)), layers=2, rounds=3,
+    defaults = dict(dims="8b,70b", archs=",".join(ARCHS), tokens=",".join(map(str, TOKENS)), layers=2, rounds=0,
                     iters=5, repeats=3, decode_tokens=40)
     if args.smoke:  # what is not given explicitly
         defaults.update(dims="smoke", archs="llama", tokens="64", layers=1, rounds=1, iters=2, repeats=2,
@@ -874,8 +913,9 @@ def setup(args) -> torch.device:
 def keep_row(args, row: dict) -> bool:
     """Whether a row of ``--keep``'s CSV stays: what this run does not measure again."""
     scope = row.get("scope")
-    if scope == "model":
-        return (row.get("dims"), row.get("arch")) not in {(d, a) for d in args.dims for a in args.archs}
+    if scope == "model":  # a point (dims, arch, T) is measured as a whole: its variants share a default
+        return not (row.get("dims") in args.dims and row.get("arch") in args.archs
+                    and row.get("T", "").isdigit() and int(row["T"]) in args.tokens)
     if scope == "op":
         return not (args.ops and row.get("dims") in args.dims)
     if scope == "decode":
@@ -924,7 +964,7 @@ def main(argv=None) -> None:
     if run.rank == 0:
         print(f"floor: {run.meta['gpu']}, {args.comm} group of {run.meta['world_size']}, commit "
               f"{run.meta['git_commit']}, dims {args.dims}, archs {args.archs}, T {args.tokens}, "
-              f"{args.layers} layers, {args.rounds} rounds; {fake.describe() if fake else 'no fake ce'}", flush=True)
+              f"{args.layers} layers, {args.rounds or 'one per variant (at least 3)'} rounds; {fake.describe() if fake else 'no fake ce'}", flush=True)
     start = time.monotonic()
     try:
         measure_all(run, args)

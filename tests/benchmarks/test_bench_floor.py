@@ -23,7 +23,7 @@ sys.path.pop(0)
 def test_options_defaults_smoke_and_errors():
     a = bench_floor.parse([])
     assert a.dims == ["8b", "70b"] and a.archs == list(bench_floor.ARCHS) and a.tokens == list(bench_floor.TOKENS)
-    assert a.layers == 2 and a.rounds == 3 and a.floor == "measured" and a.keep_going
+    assert a.layers == 2 and a.rounds == 0 and a.floor == "measured" and a.keep_going
     s = bench_floor.parse(["--smoke"])
     assert s.dims == ["smoke"] and s.archs == ["llama"] and s.tokens == [64] and s.decode and s.ops
     s = bench_floor.parse(["--smoke", "--archs", "llama,granite", "--tokens", "1,16,64"])
@@ -83,6 +83,39 @@ def test_auto_is_compiled_per_bucket_of_one_decision(group, monkeypatch):  # noq
     monkeypatch.setattr(auto_table, "FLOOR", {})
     assert bench_floor.buckets(run, 4096, [1, 16, 64]) == {1: None, 16: (16, 64), 64: (16, 64)}
     assert bench_floor.buckets(run, 4096, [16]) == {16: None}  # one T: static
+    # the implementations' phase: one range for every T above 1
+    assert bench_floor.one_range([1, 16, 64]) == {1: None, 16: (16, 64), 64: (16, 64)}
+    assert bench_floor.one_range([1, 16]) == {1: None, 16: None}
+
+
+def test_inductor_again_compiles_again_where_torch_compile_would_reuse_defaults_entry():
+    """The control must be a second compiled instance: ``torch.compile(mode=...)``'s backend compares
+    equal to another with the same options, so Dynamo serves a second wrapper of the same module
+    from the first's cache entry (no compile, not even a cache hit); ``second_inductor`` compiles."""
+    import torch
+
+    from weave_compile.testing.inductor_code import captured, compare
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return torch.relu(self.inner(x)) + 1
+
+    inner = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    with captured() as first, torch.no_grad():
+        want = torch.compile(Wrapper(inner), dynamic=False)(x)
+    with captured() as reused, torch.no_grad():
+        torch.compile(Wrapper(inner), dynamic=False)(x)
+    with captured() as again, torch.no_grad():
+        got = torch.compile(Wrapper(inner), backend=bench_floor.second_inductor("default"), dynamic=False)(x)
+    assert first and not reused and again
+    assert compare(first, again) == "same"
+    assert torch.equal(got, want)
 
 
 def test_the_floor_made_in_the_run_is_the_one_make_auto_table_makes():
@@ -122,11 +155,24 @@ def test_a_smoke_run_on_cpu_writes_every_part(tmp_path):
     assert decode["nccl"]["kernel"] == "reference" and decode["nccl"]["tokens_equal"] == "True"
 
 
+def test_rounds_put_every_variant_in_every_place_once():
+    a = bench_floor.parse([])
+    assert bench_floor.rounds_for(a, 5) == 5 and bench_floor.rounds_for(a, 2) == 3
+    assert bench_floor.rounds_for(bench_floor.parse(["--rounds", "4"]), 5) == 4
+    order = ["default", "nccl", "auto", "fallback", "inductor_again"]
+    rounds = [bench_floor.in_round(order, r) for r in range(len(order))]
+    assert all(sorted(r) == sorted(order) for r in rounds)
+    for place in range(len(order)):
+        assert sorted(r[place] for r in rounds) == sorted(order), place
+
+
 def test_keep_holds_what_this_run_does_not_measure_again():
-    a = bench_floor.parse(["--dims", "70b", "--archs", "llama,mixtral", "--ops"])
-    assert bench_floor.keep_row(a, dict(scope="model", dims="8b", arch="llama"))
-    assert not bench_floor.keep_row(a, dict(scope="model", dims="70b", arch="llama"))
-    assert bench_floor.keep_row(a, dict(scope="model", dims="70b", arch="granite"))
+    a = bench_floor.parse(["--dims", "70b", "--archs", "llama,mixtral", "--tokens", "1,512", "--ops"])
+    assert bench_floor.keep_row(a, dict(scope="model", dims="8b", arch="llama", T="512"))
+    assert not bench_floor.keep_row(a, dict(scope="model", dims="70b", arch="llama", T="512"))
+    assert not bench_floor.keep_row(a, dict(scope="model", dims="70b", arch="mixtral", T="1"))
+    assert bench_floor.keep_row(a, dict(scope="model", dims="70b", arch="llama", T="1024"))  # a T not measured now
+    assert bench_floor.keep_row(a, dict(scope="model", dims="70b", arch="granite", T="512"))
     assert bench_floor.keep_row(a, dict(scope="op", dims="8b"))
     assert not bench_floor.keep_row(a, dict(scope="op", dims="70b"))
     assert bench_floor.keep_row(a, dict(scope="decode")) and not bench_floor.keep_row(bench_floor.parse(["--decode"]),
