@@ -60,7 +60,8 @@ this CSV. ``--floor committed`` times them on ``kernels/auto_table.py`` as it is
 
 Timing: per T, every variant's first calls (compile, CUDA-graph recording), then ``--rounds``
 rounds (default: one per variant) of warm-up + ``--repeats`` x ``--iters`` back-to-back calls, the
-order rotated every round so that each variant takes each place once (:func:`in_round`);
+order rotated every round so that each variant takes each place once (:func:`in_round`), after
+~200 ms of untimed calls of every variant (:func:`spin_up`);
 ``ms_per_layer`` from the median per variant, ``ratio_vs_default`` the median over rounds of the
 variant's time over default's in the same round (the GPU's speed drifts during a run);
 ``spread`` is (max - min) / median over the rounds. ``ms_per_layer`` = per forward / ``--layers`` (the embedding and the final
@@ -416,6 +417,21 @@ def in_round(order: list[str], r: int) -> list[str]:
     return order[k:] + order[:k]
 
 
+def spin_up(run: Run, live: dict, x_for: Callable[[str], torch.Tensor], ms: float = 200.0) -> None:
+    """Untimed calls of every variant, ~``ms`` in all, before the first round: the GPU idles while
+    the variants compile and record (its clocks drop), and the first timings after that would be
+    slower for whichever variant comes first."""
+    deadline = time.perf_counter() + ms / 1e3
+    with torch.no_grad():
+        while True:
+            for v, c in live.items():
+                c(x_for(v))
+            if run.dev.type == "cuda":
+                torch.cuda.synchronize()
+            if time.perf_counter() >= deadline:
+                return
+
+
 def time_point(run: Run, arch: str, dims: str, t: int, live: dict, x_for: Callable[[str], torch.Tensor],
                labels: dict, same: Optional[dict] = None) -> None:
     """Time ``live`` (variant -> compiled) at ``t`` in rounds; a row per variant."""
@@ -429,6 +445,7 @@ def time_point(run: Run, arch: str, dims: str, t: int, live: dict, x_for: Callab
     if run.dev.type == "cuda":
         torch.cuda.synchronize()
     iters = max(2, min(args.iters, math.ceil(25.0 / max(1e-3, (time.perf_counter() - start) * 1e3))))
+    spin_up(run, live, x_for)
     for r in range(rounds_for(args, len(order))):
         for v in in_round(order, r):
             c, x = live[v], x_for(v)
