@@ -102,7 +102,7 @@ def test_inductor_again_compiles_again_where_torch_compile_would_reuse_defaults_
             self.inner = inner
 
         def forward(self, x):
-            return torch.relu(self.inner(x)) + 1
+            return self.inner(x)  # Inductor's program is one extern addmm call: no C++ kernel to build
 
     inner = torch.nn.Linear(8, 8)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
