@@ -49,7 +49,9 @@ def test_nothing_compiled_is_nothing_to_compare():
     assert compare([], [WRAPPER]) == "" and compare([WRAPPER], []) == ""
 
 
-def test_a_graph_the_backend_leaves_as_written_compiles_to_plain_inductors_program(group, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("dynamic", [False, True])  # True: each norm's eps is a graph input the passes see
+def test_a_graph_the_backend_leaves_as_written_compiles_to_plain_inductors_program(group, monkeypatch,  # noqa: F811
+                                                                                  dynamic):
     import torch._inductor.config as inductor_config
 
     import weave_compile
@@ -66,12 +68,13 @@ def test_a_graph_the_backend_leaves_as_written_compiles_to_plain_inductors_progr
         # Generated here, not served from Inductor's FX graph cache: the patched policy below is
         # not part of the cache key (the kernel tables' digest is, and stays the same).
         with inductor_code.captured() as code, torch.no_grad(), inductor_config.patch(fx_graph_cache=False):
-            out = torch.compile(model, dynamic=False, **kw)(x)
+            out = torch.compile(model, dynamic=dynamic, **kw)(x)
         sites = [s for g in weave_compile.explain().graphs for s in g.sites]
         return code, out, sites
 
     plain, want, _ = compiled()
     assert plain, "Inductor generated no code"
+    assert dynamic == any("const double*" in code for code in plain), "eps a graph input exactly when dynamic"
 
     off, got, sites = compiled(backend="tokenweave", options={"fuse": False})
     assert sites and not any(s.fused for s in sites), sites
