@@ -61,11 +61,10 @@ this CSV. ``--floor committed`` times them on ``kernels/auto_table.py`` as it is
 Timing: per T, every variant's first calls (compile, CUDA-graph recording), then ``--rounds``
 rounds (default: one per variant) of warm-up + ``--repeats`` x ``--iters`` back-to-back calls, the
 order rotated every round so that each variant takes each place once (:func:`in_round`), after
-~200 ms of untimed calls of every variant (:func:`spin_up`);
-``ms_per_layer`` from the median per variant, ``ratio_vs_default`` the median over rounds of the
-variant's time over default's in the same round (the GPU's speed drifts during a run);
-``spread`` is (max - min) / median over the rounds. ``ms_per_layer`` = per forward / ``--layers`` (the embedding and the final
-norm amortized in).
+~200 ms of untimed calls of every variant (:func:`spin_up`). ``ms_per_layer``: the variant's median
+per forward / ``--layers`` (the embedding and the final norm amortized in); ``ratio_vs_default``:
+the median over rounds of the variant's time over default's in the same round (the GPU's speed
+drifts during a run); ``spread``: (max - min) / median of the variant's times over the rounds.
 
 ``--decode`` (README's Hugging Face form): ``generate()`` with a static cache and
 ``CompileConfig(backend="tokenweave", options={"mode": "reduce-overhead"})``, batch 1, greedy, on
@@ -860,7 +859,7 @@ def parse(argv=None):
     ap.add_argument("--ops", action="store_true", help="also the op alone on emulated ranks (the designs' local part)")
     ap.add_argument("--code-diffs", default="",
                     help="folder for the diff of each variant's Inductor code that differs from default's")
-    ap.add_argument("--keep", default="", help="CSV of an earlier run: its rows for (dims, arch) not measured now stay")
+    ap.add_argument("--keep", default="", help="CSV of an earlier run: its rows of points (dims, arch, T) not measured now stay")
     ap.add_argument("--keep-going", action="store_true", default=True,
                     help="a variant that fails is listed and skipped, the others still run (default)")
     ap.add_argument("--stop-on-error", dest="keep_going", action="store_false")
