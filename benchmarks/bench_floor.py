@@ -287,7 +287,7 @@ def compile_variant(run: Run, lm, variant: str):
     """The compiled callable of ``variant`` (compiling happens at its first calls)."""
     wrapper = Decoder(lm)  # one per variant: its own Dynamo cache entry, so its own compile
     # Every variant alike: static T unless the input is marked dynamic over its bucket (the module
-    # doc); dynamic=True would also make each norm's eps a graph input, for some variants only.
+    # doc). Not dynamic=True: it also makes each norm's eps a graph input, another program.
     if variant == CONTROL and run.dev.type == "cuda":
         return torch.compile(wrapper, backend=second_inductor(run.args.mode), dynamic=False)
     if variant in ("default", CONTROL):
