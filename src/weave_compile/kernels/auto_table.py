@@ -20,13 +20,21 @@ INTERFERENCE_SOURCE = "no interference row measured on today's kernels (run benc
 
 INTERFERENCE = {}
 
-FLOOR_SOURCE = 'NVIDIA H200 results/floor.csv, fake process group (communication free), worst of gemma2, granite, llama, llama_bias, mixtral, commits de3d97c'
+FLOOR_SOURCE = 'NVIDIA H200 results/floor.csv, fake process group (communication free), worst of gemma2, granite, llama, llama_bias, mixtral, commits 493f441'
 
-FLOOR = {(2, 4096): {1: {'nccl': 1.116},
-             16: {'nccl': 1.0664},
-             128: {'nccl': 1.0774},
-             512: {'nccl': 1.1743},
-             1024: {'nccl': 1.0135},
-             4096: {'nccl': 1.0139},
-             8192: {'nccl': 1.0205},
-             16384: {'nccl': 1.0054}}}
+FLOOR = {(2, 4096): {1: {'nccl': 1.1786, 'reference': 1.1745, 'ce': 1.0264},
+             16: {'nccl': 1.0081, 'reference': 1.0537, 'ce': 0.9343},
+             128: {'nccl': 1.0281, 'reference': 1.1336, 'ce': 1.0896},
+             512: {'nccl': 1.155, 'reference': 1.3345, 'ce': 1.0259},
+             1024: {'nccl': 1.0169, 'reference': 1.2317, 'ce': 1.0072},
+             4096: {'nccl': 1.012, 'reference': 1.1753, 'ce': 0.9896},
+             8192: {'nccl': 1.0161, 'reference': 1.1547, 'ce': 0.9446},
+             16384: {'nccl': 1.0034, 'reference': 1.103, 'ce': 1.0064}},
+ (2, 8192): {1: {'nccl': 1.0752},
+             16: {'nccl': 1.0699},
+             128: {'nccl': 1.0848},
+             512: {'nccl': 1.0281},
+             1024: {'nccl': 1.0387},
+             4096: {'nccl': 1.0395},
+             8192: {'nccl': 1.0507},
+             16384: {'nccl': 1.0336}}}
