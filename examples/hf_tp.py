@@ -119,7 +119,6 @@ def _diff(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 def main(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     import contextlib
 
-    import weave_compile
     from weave_compile import backward_hooks
     from hf_models import build_model, expected_fused_sites, prompt, without_all_reduce
 
