@@ -35,11 +35,27 @@ def sharding(c) -> tuple[bool, bool]:
     return c["res"] in SHARDED_IN, c["res"] in SHARDED_OUT
 
 
+#: eps where a case gives it as a 0-d tensor: large enough to move every output, so a kernel that
+#: read the spec's float (0.0 in :func:`eps_args`) instead would fail the oracle.
+EPS_TENSOR_VALUE = 0.5
+
+
 def make_case(T, H, dtype="bf16", *, res="full", bias=True, weight=True, mid=None, woff=0.0,
-              res_dtype=None, out_dtype=None, ctas=16, channel=0, seed=0):
-    """res: 'none' | 'full' | 'shard_in' | 'shard_out' | 'shard_both' | 'first' (see NO_RESIDUAL)."""
+              res_dtype=None, out_dtype=None, ctas=16, channel=0, seed=0, eps_tensor=False):
+    """res: 'none' | 'full' | 'shard_in' | 'shard_out' | 'shard_both' | 'first' (see NO_RESIDUAL);
+    eps_tensor: the launch gets eps as a 0-d float64 tensor (see :func:`eps_args`)."""
     return dict(T=T, H=H, dtype=dtype, res=res, bias=bias, weight=weight, mid=mid, woff=woff,
-                res_dtype=res_dtype, out_dtype=out_dtype, ctas=ctas, channel=channel, seed=seed)
+                res_dtype=res_dtype, out_dtype=out_dtype, ctas=ctas, channel=channel, seed=seed,
+                eps_tensor=eps_tensor)
+
+
+def eps_args(c, device) -> dict:
+    """The launch's eps keywords: ``eps`` as a float, or (``c["eps_tensor"]``) ``eps=0.0`` and
+    ``eps_tensor`` a 0-d float64 tensor on ``device`` holding :data:`EPS_TENSOR_VALUE`, as the
+    pass hands it under ``torch.compile(dynamic=True)``."""
+    if not c.get("eps_tensor"):
+        return dict(eps=kernel_kwargs(c)["eps"])
+    return dict(eps=0.0, eps_tensor=torch.tensor(EPS_TENSOR_VALUE, dtype=torch.float64, device=device))
 
 
 def case_name(c) -> str:
@@ -56,6 +72,8 @@ def case_name(c) -> str:
     parts.append(f"ctas={c['ctas']}")
     if c["channel"]:
         parts.append(f"ch={c['channel']}")
+    if c.get("eps_tensor"):
+        parts.append("eps=tensor")
     return " ".join(parts)
 
 
@@ -88,8 +106,10 @@ def shard_rows(t, world, rank):
 
 
 def kernel_kwargs(c):
+    """FusedSpec's keywords for a case; ``eps`` is the value the oracle uses (a launch that gives
+    it as a tensor takes :func:`eps_args` on top)."""
     return dict(
-        eps=1e-6,
+        eps=EPS_TENSOR_VALUE if c.get("eps_tensor") else 1e-6,
         residual_dtype=DTYPES[c["res_dtype"]] if c["res_dtype"] else None,
         out_dtype=DTYPES[c["out_dtype"]] if c["out_dtype"] else None,
         mid_dtype=DTYPES[c["mid"]] if c["mid"] else None,

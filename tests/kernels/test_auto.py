@@ -128,13 +128,18 @@ def test_the_gpu_fallback_that_cannot_run_either_leaves_the_site_as_written(symm
 
 
 def test_a_device_eps_goes_to_the_designs_that_read_it_there(symm, tables):
-    """Under dynamic shapes eps reaches the op as a device tensor: the symmetric-memory designs
-    read it on the host, so a site forced to one gets the GPU fallback, which reads it there."""
+    """Under dynamic shapes eps reaches the op as a device tensor. Every design that runs reads it
+    there; multimem (compiled, never run here) reads it on the host, so a site forced to it gets
+    the GPU fallback, which reads it there."""
     tables(FLOOR=FLOOR)
     readers = sorted(e.name for e in registry.implementations() if e.takes_eps_tensor)
-    assert readers == ["nccl", "reference"], readers
-    kernel, why = auto.choose("p2p", site(num_tokens=8192, eps_on_device=True))
-    assert why.startswith("requested 'p2p' unavailable: eps is a device tensor: only reference, nccl read it"), why
+    assert readers == ["ce", "nccl", "oneshot", "p2p", "reference"], readers
+    for name in ("p2p", "ce", "oneshot"):
+        assert auto.choose(name, site(num_tokens=8192, eps_on_device=True)) == (name, "requested"), name
+    symm.update(variant="multimem", reason="multicast pointer present")
+    kernel, why = auto.choose("multimem", site(num_tokens=8192, eps_on_device=True))
+    assert why.startswith("requested 'multimem' unavailable: eps is a device tensor: only reference, p2p, "
+                          "oneshot, ce, nccl read it"), why
     assert kernel == "nccl" and "GPU fallback nccl" in why, (kernel, why)  # the floor: nccl faster at 8K
     kernel, why = auto.choose("auto", site(num_tokens=16, eps_on_device=True))
     assert kernel == AS_WRITTEN and "cannot run here" not in why, (kernel, why)  # the floor: slower at 16

@@ -24,7 +24,7 @@ from weave_compile.kernels.reference import allreduce_add_rmsnorm_ref
 from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
 
 from ._symm_cases import DTYPES as DT
-from ._symm_cases import shard_rows, stub_workspace_allocation
+from ._symm_cases import EPS_TENSOR_VALUE, shard_rows, stub_workspace_allocation
 
 requires_triton = pytest.mark.skipif(not oneshot_kernel.HAS_TRITON, reason="triton not installed")
 # Elementwise |out - ref| <= atol + rtol * |ref| against the float64 reference (which rounds where
@@ -36,11 +36,16 @@ TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16:
 
 
 def case(T, H, dtype="bf16", *, res="full", bias=True, weight=True, mid=None, woff=0.0, rdt=None, odt=None,
-         neg_zero=False, ctas=8, seed=0):
+         neg_zero=False, ctas=8, seed=0, eps_tensor=False):
     """res: none | full | shard_in | shard_out | shard_both | first (no residual in, this rank's rows out:
-    a sequence-parallel model's first site); rdt: residual dtype; odt: output dtype."""
+    a sequence-parallel model's first site); rdt: residual dtype; odt: output dtype; eps_tensor: eps
+    as a 0-d float64 tensor on the device (``EPS_TENSOR_VALUE``, the spec's float 0.0)."""
     return dict(T=T, H=H, dtype=dtype, res=res, bias=bias, weight=weight, mid=mid, woff=woff, rdt=rdt, odt=odt,
-                neg_zero=neg_zero, ctas=ctas, seed=seed)
+                neg_zero=neg_zero, ctas=ctas, seed=seed, eps_tensor=eps_tensor)
+
+
+def eps_of(c) -> float:
+    return EPS_TENSOR_VALUE if c["eps_tensor"] else 1e-6
 
 
 def flags(c):
@@ -100,17 +105,19 @@ def rank_args(c, world, rank, xs, residual):
 
 def launch_rank(ws, c, x, res_in, bias, weight, normed, res_out):
     in_sh, out_sh = flags(c)
-    spec = FusedSpec(residual_dtype=res_out.dtype, out_dtype=normed.dtype, eps=1e-6,
+    # an eps tensor's spec eps is 0.0: a kernel that read the float would miss the oracle
+    eps_t = torch.tensor(eps_of(c), dtype=torch.float64, device=x.device) if c["eps_tensor"] else None
+    spec = FusedSpec(residual_dtype=res_out.dtype, out_dtype=normed.dtype, eps=0.0 if c["eps_tensor"] else eps_of(c),
                      mid_dtype=DT[c["mid"]] if c["mid"] else None, weight_offset=c["woff"],
                      residual_in_sharded=in_sh, residual_out_sharded=out_sh, comm_ctas=c["ctas"])
-    oneshot_kernel.launch(ws, Rows(x, res_in, bias, weight), spec, normed, res_out)
+    oneshot_kernel.launch(ws, Rows(x, res_in, bias, weight, eps_tensor=eps_t), spec, normed, res_out)
 
 
 def expected(c, xs, residual, bias, weight):
     """The float64 oracle in the op's output dtypes (it rounds the residual where the contract does;
     a mid dtype is not modelled: the tolerances cover that one rounding)."""
     _, rdt, odt = dtypes(c)
-    return allreduce_add_rmsnorm_ref(xs, residual, bias, weight, eps=1e-6, weight_offset=c["woff"],
+    return allreduce_add_rmsnorm_ref(xs, residual, bias, weight, eps=eps_of(c), weight_offset=c["woff"],
                                      residual_dtype=rdt, out_dtype=odt)
 
 
@@ -200,7 +207,7 @@ def test_traffic_model_two_ranks_equals_two_shot_nvlink_bytes():
 SIM_GROUPS = [
     (64, "bf16", None, [case(7, 64, seed=1), case(1, 64, res="none", bias=False, seed=2),
                         case(13, 64, res="shard_both", neg_zero=True, ctas=2, seed=3),
-                        case(7, 64, res="shard_in", mid="bf16", woff=1.0, seed=4),
+                        case(7, 64, res="shard_in", mid="bf16", woff=1.0, seed=4, eps_tensor=True),
                         case(2, 64, res="shard_out", weight=False, neg_zero=True, seed=5),
                         case(16, 64, neg_zero=True, ctas=3, seed=6)]),
     (48, "fp32", "fp32", [case(5, 48, "fp32", odt="bf16", res="shard_in", neg_zero=True, seed=7),
@@ -209,7 +216,7 @@ SIM_GROUPS = [
                           case(9, 48, "fp32", odt="bf16", res="shard_in", neg_zero=True, seed=10)]),
     (32, "fp16", "fp32", [case(37, 32, "fp16", rdt="fp32", res="shard_both", mid="bf16", ctas=4, seed=11),
                           case(4, 32, "fp16", rdt="fp32", res="full", neg_zero=True, seed=12),
-                          case(20, 32, "fp16", rdt="fp32", res="shard_in", ctas=5, seed=13),
+                          case(20, 32, "fp16", rdt="fp32", res="shard_in", ctas=5, seed=13, eps_tensor=True),
                           case(1, 32, "fp16", rdt="fp32", res="shard_both", seed=14)]),
 ]
 
@@ -291,7 +298,7 @@ def _op_rank(rank, world):
 # ----------------------------------------------------------------------------- compiles for sm_90
 
 
-def _compile_sm90(dtype, rdt, *, sharded: bool):
+def _compile_sm90(dtype, rdt, *, sharded: bool, eps_ptr: bool = False):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     import triton
@@ -306,13 +313,14 @@ def _compile_sm90(dtype, rdt, *, sharded: bool):
     ints = ("num_tokens", "rows_per_rank", "rank", "stride_x_row", "stride_res_row", "stride_out_row",
             "stride_res_out_row")
     runtime = {**ptr, **{n: "i32" for n in ints}, "slot_bytes": "i64", "src_bytes": "i64", "res_off": "i64",
-               "eps": "fp32", "weight_offset": "fp32"}
+               "eps": "*fp64" if eps_ptr else "fp32", "weight_offset": "fp32"}
     consts = dict(WORLD_SIZE=2, HIDDEN=4096, BLOCK_H=meta.block_h, BLOCK_ROWS=meta.block_rows,
                   IN_DTYPE=_tl_dtype(dtype), IN_BITS=oneshot_kernel._tl_int(dtype), IN_SENT=oneshot_ws.SENTINEL[dtype],
                   RIN_DTYPE=_tl_dtype(rdt), RIN_BITS=oneshot_kernel._tl_int(rdt), RIN_SENT=oneshot_ws.SENTINEL[rdt],
                   OUT_DTYPE=_tl_dtype(dtype), RES_DTYPE=_tl_dtype(rdt), MID_DTYPE=_tl_dtype(torch.float32),
                   HAS_BIAS=True, HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_MID=False,
-                  RESIDUAL_IN_SHARDED=sharded, RESIDUAL_OUT_SHARDED=sharded, PUSH_RES=sharded, SPIN_LIMIT=0)
+                  RESIDUAL_IN_SHARDED=sharded, RESIDUAL_OUT_SHARDED=sharded, PUSH_RES=sharded, SPIN_LIMIT=0,
+                  EPS_PTR=eps_ptr)
     signature = {n: runtime.get(n, "constexpr") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ptr}
     src = ASTSource(fn, signature, constexprs=consts, attrs=attrs)
@@ -321,13 +329,16 @@ def _compile_sm90(dtype, rdt, *, sharded: bool):
 
 
 @requires_triton
-@pytest.mark.parametrize("dtype,rdt,sharded", [(torch.bfloat16, torch.bfloat16, True),
-                                               (torch.float32, torch.float32, False),
-                                               (torch.float16, torch.float32, True)])
-def test_compiles_for_sm90_with_volatile_waits_and_no_multimem(dtype, rdt, sharded):
-    ptx = _compile_sm90(dtype, rdt, sharded=sharded)
+@pytest.mark.parametrize("dtype,rdt,sharded,eps_ptr", [(torch.bfloat16, torch.bfloat16, True, False),
+                                                       (torch.float32, torch.float32, False, False),
+                                                       (torch.float16, torch.float32, True, False),
+                                                       (torch.bfloat16, torch.bfloat16, False, True)])
+def test_compiles_for_sm90_with_volatile_waits_and_no_multimem(dtype, rdt, sharded, eps_ptr):
+    """eps_ptr: eps read from a float64 device tensor (``EPS_PTR``), converted to fp32 once."""
+    ptx = _compile_sm90(dtype, rdt, sharded=sharded, eps_ptr=eps_ptr)
     assert "ld.volatile" in ptx  # the waits read memory, not a cached line
     assert "multimem" not in ptx
+    assert ("cvt.rn.f32.f64" in ptx) == eps_ptr
 
 
 # ----------------------------------------------------------------------------- selection (explain's pick and reason)

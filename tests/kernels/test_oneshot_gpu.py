@@ -92,7 +92,8 @@ RES_MODES = ("full", "shard_both", "shard_in", "shard_out", "none", "first")
 @pytest.mark.parametrize("world,H,dtype", [(2, 2048, "bf16"), (2, 4096, "bf16"), (2, 8192, "bf16"),
                                            (3, 4096, "bf16"), (2, 4096, "fp32"), (3, 8192, "fp32")])
 def test_matrix_back_to_back(world, H, dtype, seed):
-    """T in (1, 3, 64, 257), every residual layout, -0.0 in the data, all on one workspace."""
+    """T in (1, 3, 64, 257), every residual layout, -0.0 in the data, eps a device tensor in a third of
+    the calls, all on one workspace."""
     Ts = (1, 3, 64, 257)
     rdt = "fp32" if dtype == "fp32" else None
     calls = []
@@ -100,7 +101,7 @@ def test_matrix_back_to_back(world, H, dtype, seed):
         for j, res in enumerate(RES_MODES):
             calls.append(case(T, H, dtype, res=res, rdt=rdt, neg_zero=(i + j) % 2 == 0, bias=j != 3,
                               mid="bf16" if j == 2 and dtype == "bf16" else None, woff=1.0 if j == 1 else 0.0,
-                              ctas=32, seed=seed % 10**6 + 10 * i + j))
+                              ctas=32, seed=seed % 10**6 + 10 * i + j, eps_tensor=(i + j) % 3 == 0))
     dt, rd, _ = dtypes(calls[0])
     em = EmulatedRanks(world, H, dt, rd, capacity=math.ceil(max(Ts) / world) * world)
     errs = []

@@ -6,10 +6,10 @@ float64 oracle; outputs and regions are NaN-poisoned first. Every case runs with
 (in the default launch shape, the same with 64-bit index arithmetic forced, the pipelined
 add+norm loop, the prefetched one with 1-row tiles unrolled twice and the one-warp-per-row loop
 in two chunk sizes), and with the normed output left in a slot of the output ring (``out_slot``;
-the default shape and the one-warp-per-row loop), where the
-result must be the ring view itself and the other ring slots (the staging slot 0 included) must
-stay untouched. The GPU runs (concurrent ranks,
-real barriers) are in tests/kernels/p2p/test_push.py.
+the default shape and the one-warp-per-row loop), where the result must be the ring view itself
+and the other ring slots (the staging slot 0 included) must stay untouched. Two cases give eps as
+a 0-d tensor (their float eps 0.0), which the kernel must read (``EPS_PTR``) in every launch
+shape. The GPU runs (concurrent ranks, real barriers) are in tests/kernels/p2p/test_push.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 THIS_FILE = os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(THIS_FILE))))  # script mode
 
-from tests.kernels._symm_cases import (DTYPES, case_name, check_outputs, make_case,  # noqa: E402
+from tests.kernels._symm_cases import (DTYPES, case_name, check_outputs, eps_args, make_case,  # noqa: E402
                                        make_inputs, reference, run_script, shard_rows, sharding)
 from weave_compile.kernels.p2p import launch  # noqa: E402
 from weave_compile.kernels.shared.common import HAS_TRITON, OUT_RING_SLOTS  # noqa: E402
@@ -35,8 +35,10 @@ from weave_compile.testing.emulated_ranks import EmulatedRanks, push_allreduce_r
 CASES = [
     make_case(7, 64, "bf16", seed=1),
     make_case(1, 64, "fp32", res="none", bias=False, seed=2),  # T < world
-    make_case(37, 32, "fp16", res="shard_both", mid="bf16", woff=1.0, ctas=4, seed=3),
-    make_case(40, 48, "fp32", out_dtype="bf16", res_dtype="fp32", res="shard_in", ctas=3, seed=4),
+    # eps as a device tensor (torch.compile(dynamic=True)), read by the kernel in every launch shape
+    make_case(37, 32, "fp16", res="shard_both", mid="bf16", woff=1.0, ctas=4, seed=3, eps_tensor=True),
+    make_case(40, 48, "fp32", out_dtype="bf16", res_dtype="fp32", res="shard_in", ctas=3, seed=4,
+              eps_tensor=True),
     make_case(23, 64, "bf16", res="shard_out", weight=False, ctas=2, seed=5),
     make_case(24, 64, "bf16", res="first", ctas=2, seed=7),  # no residual in, this rank's rows out
     # no bias: the shard's rows past T must come out zero without the residual store's select
@@ -137,7 +139,8 @@ def _main(world: int) -> int:
                                           residual_in_sharded=in_sh, comm_ctas=c["ctas"],
                                           mid_dtype=DTYPES[c["mid"]] if c["mid"] else None,
                                           weight_offset=c["woff"], out_slot=out_slot,
-                                          outputs=None if out_slot >= 0 else outputs, meta=meta)
+                                          outputs=None if out_slot >= 0 else outputs, meta=meta,
+                                          **eps_args(c, "cpu"))
         ref_n, ref_r = reference(c, xs, residual, bias, weight)
         for r, (n, ro) in enumerate(outs):
             ok, en, er, msg = check_outputs(c, world, r, n, ro, ref_n, ref_r)

@@ -47,6 +47,17 @@ def test_ptx_compiles_for_sm90(kernel, dtype):
 
 
 @requires_triton
+def test_push_reading_eps_from_a_tensor_compiles_for_sm90():
+    """EPS_PTR: eps loaded from a float64 device tensor and converted once; the float form has no
+    such conversion. Only the push kernel takes it."""
+    with_ptr = compile_variant_ptx("push", torch.bfloat16, 4096, eps_ptr=True)
+    assert "cvt.rn.f32.f64" in with_ptr
+    assert "cvt.rn.f32.f64" not in compile_variant_ptx("push", torch.bfloat16, 4096)
+    with pytest.raises(ValueError, match="only the push kernel"):
+        compile_variant_ptx("pull", torch.bfloat16, 4096, eps_ptr=True)
+
+
+@requires_triton
 @pytest.mark.parametrize("kernel", ["push", "pull", "pull_multimem"])
 @pytest.mark.parametrize("kw", [
     dict(dtype=torch.bfloat16, hidden=5120, residual_in_sharded=True, residual_out_sharded=True),

@@ -22,14 +22,14 @@ INTERFERENCE = {}
 
 FLOOR_SOURCE = 'NVIDIA H200 results/floor.csv, fake process group (communication free), worst of gemma2, granite, llama, llama_bias, mixtral, commits 493f441'
 
-FLOOR = {(2, 4096): {1: {'nccl': 1.1786, 'reference': 1.1745, 'ce': 1.0264},
-             16: {'nccl': 1.0081, 'reference': 1.0537, 'ce': 0.9343},
-             128: {'nccl': 1.0281, 'reference': 1.1336, 'ce': 1.0896},
-             512: {'nccl': 1.155, 'reference': 1.3345, 'ce': 1.0259},
-             1024: {'nccl': 1.0169, 'reference': 1.2317, 'ce': 1.0072},
-             4096: {'nccl': 1.012, 'reference': 1.1753, 'ce': 0.9896},
-             8192: {'nccl': 1.0161, 'reference': 1.1547, 'ce': 0.9446},
-             16384: {'nccl': 1.0034, 'reference': 1.103, 'ce': 1.0064}},
+FLOOR = {(2, 4096): {1: {'nccl': 1.1786, 'reference': 1.1745},
+             16: {'nccl': 1.0081, 'reference': 1.0537},
+             128: {'nccl': 1.0281, 'reference': 1.1336},
+             512: {'nccl': 1.155, 'reference': 1.3345},
+             1024: {'nccl': 1.0169, 'reference': 1.2317},
+             4096: {'nccl': 1.012, 'reference': 1.1753},
+             8192: {'nccl': 1.0161, 'reference': 1.1547},
+             16384: {'nccl': 1.0034, 'reference': 1.103}},
  (2, 8192): {1: {'nccl': 1.0752},
              16: {'nccl': 1.0699},
              128: {'nccl': 1.0848},

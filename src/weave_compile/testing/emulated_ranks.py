@@ -154,7 +154,8 @@ def push_allreduce_rmsnorm(ranks: EmulatedRanks, xs: Sequence[torch.Tensor],
                            residuals: Sequence[Optional[torch.Tensor]], bias=None, weight=None, *,
                            residual_out_sharded: bool = False, comm_ctas: int = 8,
                            outputs: Optional[list] = None, out_slot: int = -1, meta=None, phases: int = 7,
-                           num_warps: Optional[int] = None, **spec_kw) -> list:
+                           num_warps: Optional[int] = None, eps_tensor: Optional[torch.Tensor] = None,
+                           **spec_kw) -> list:
     """The push kernel on every emulated rank: ``[(normed, residual_out)]`` per rank.
 
     ``residuals[r]`` is rank r's residual input ([T, H], or its [S, H] shard with
@@ -163,7 +164,8 @@ def push_allreduce_rmsnorm(ranks: EmulatedRanks, xs: Sequence[torch.Tensor],
     output ring (the outputs' normed is the ring view); ``meta``, ``phases`` and ``num_warps``
     go to :func:`weave_compile.kernels.p2p.launch.launch_push`, ``spec_kw`` (``eps``,
     ``mid_dtype``, ``weight_offset``, ``residual_in_sharded``) to the
-    :class:`~weave_compile.kernels.spec.FusedSpec`."""
+    :class:`~weave_compile.kernels.spec.FusedSpec`; ``eps_tensor`` (0-d, on the ranks' device)
+    replaces ``eps`` and is read there."""
     T, H = xs[0].shape
     N = ranks.world_size
     S = math.ceil(T / N)
@@ -183,7 +185,7 @@ def push_allreduce_rmsnorm(ranks: EmulatedRanks, xs: Sequence[torch.Tensor],
 
     def one(r, ws, phases=phases, sync=True, compile_only=False):
         normed, res_out = outputs[r]
-        launch.launch_push(ws, Rows(xs[r], residuals[r], bias, weight), spec, normed, res_out, meta=meta,
+        launch.launch_push(ws, Rows(xs[r], residuals[r], bias, weight, eps_tensor=eps_tensor), spec, normed, res_out, meta=meta,
                            phases=phases, sync=sync, compile_only=compile_only)
         return outputs[r]
 

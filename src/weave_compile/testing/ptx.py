@@ -51,19 +51,22 @@ def compile_variant_ptx(kernel: str, dtype: torch.dtype, hidden: int,
                         residual_out_sharded: bool = False, block_rows: Optional[int] = None,
                         spin_limit: int = 0, arch: int = 90, return_all: bool = False,
                         rows_per_rank: int = 1 << 20, comm_ctas: int = common.DEFAULT_COMM_CTAS,
-                        out_in_region: bool = False):
+                        out_in_region: bool = False, eps_ptr: bool = False):
     """Compile ``kernel`` (one of :data:`PTX_KERNELS`) for ``cuda:sm_<arch>`` and return its PTX.
 
     Uses Triton's ``ASTSource`` + ``triton.compile(target=GPUTarget("cuda", arch, 32))``;
     Triton's bundled ptxas also assembles the cubin, so a successful return means the inline
     PTX (multimem) is accepted by ptxas for that architecture.  The launch shape is the one
     the launcher would pick for ``rows_per_rank`` and ``comm_ctas``; ``out_in_region`` (push) is
-    the mode that leaves the normed output in the ring.  With ``return_all`` the
+    the mode that leaves the normed output in the ring, ``eps_ptr`` (push) the one reading eps from
+    a float64 device tensor (``torch.compile(dynamic=True)``).  With ``return_all`` the
     whole ``asm`` dict (ttir, ttgir, llir, ptx, cubin) is returned."""
     if not common.HAS_TRITON:
         raise RuntimeError("triton is not available")
     if kernel not in PTX_KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {PTX_KERNELS}")
+    if eps_ptr and kernel != "push":
+        raise ValueError(f"eps_ptr: only the push kernel reads eps from a tensor, not {kernel!r}")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -98,7 +101,10 @@ def compile_variant_ptx(kernel: str, dtype: torch.dtype, hidden: int,
         capacity = workspace._round_capacity(world_size * rows_per_rank, world_size)
         extent = capacity * hidden * (common.OUT_RING_SLOTS if out_in_region else 1)
         consts = dict(p2p_launch.push_constexprs(meta, **flags), PHASES=7, SYNC=True,
-                      OUT_IN_REGION=bool(out_in_region), IDX64=common.needs_int64(extent))
+                      OUT_IN_REGION=bool(out_in_region), IDX64=common.needs_int64(extent),
+                      EPS_PTR=bool(eps_ptr))
+        if eps_ptr:
+            runtime_sig["eps"] = "*fp64"
         # out_ring_row is not declared 16-divisible: the stores must vectorize regardless
         runtime_sig.update(X=sig(dtype), NORMED=sig(out_dtype), slot_rows="i32",
                            stride_x_row="i32", stride_out_row="i32", out_ring_row="i32")

@@ -40,10 +40,10 @@ def allreduce_add_rmsnorm_ref(*args, **kwargs):
 
 
 def ce_call(ws, x, residual=None, bias=None, weight=None, scale=None, *, num_ctas=8, config=None, run=True,
-            **spec_kw):
+            eps_tensor=None, **spec_kw):
     """:func:`ce.ce_call` for one rank's tensors; ``spec_kw`` are FusedSpec fields (dtypes: the workspace's)."""
     spec = FusedSpec(residual_dtype=ws.dtypes[2], out_dtype=ws.dtypes[1], comm_ctas=num_ctas, **spec_kw)
-    return ce.ce_call(ws, Rows(x, residual, bias, weight, scale), spec, config=config, run=run)
+    return ce.ce_call(ws, Rows(x, residual, bias, weight, scale, eps_tensor), spec, config=config, run=run)
 
 
 class Deadlock(RuntimeError):
@@ -86,9 +86,10 @@ def make_inputs(gen, N, T, H, dtype, res_dtype, residual, bias, weight, scale):
 
 def run_calls(N, T, H, *, dtype=torch.bfloat16, res_dtype=None, residual="full", bias=False, weight=True,
               scale=False, weight_offset=0.0, mid_dtype=None, calls=3, seed=0, greedy=False, mutate=None,
-              watched=False):
+              watched=False, eps=1e-5, eps_tensor=False):
     """Simulate ``calls`` back-to-back calls on N ranks; return [(outputs per rank, inputs), ...].
-    ``watched``: the workspaces are watched (progress marks, the abort word read by the norm)."""
+    ``watched``: the workspaces are watched (progress marks, the abort word read by the norm);
+    ``eps_tensor``: eps comes as a 0-d float64 tensor, the spec's float being 0.0."""
     res_dtype = res_dtype or dtype
     S = -(-T // N)
     wss = ce.emulated_workspaces(N, capacity=S + 3, hidden=H, dtypes=(dtype, dtype, res_dtype))
@@ -106,9 +107,10 @@ def run_calls(N, T, H, *, dtype=torch.bfloat16, res_dtype=None, residual="full",
         outs = []
         for r in range(N):
             normed, res_out, prog = ce_call(
-                wss[r], partials[r], res_in[r] if sharded else res_full, b, w, s, eps=1e-5, mid_dtype=mid_dtype,
+                wss[r], partials[r], res_in[r] if sharded else res_full, b, w, s, mid_dtype=mid_dtype,
                 weight_offset=weight_offset, residual_in_sharded=sharded, residual_out_sharded=sharded,
-                num_ctas=4, run=False)
+                num_ctas=4, run=False, eps=0.0 if eps_tensor else eps,
+                eps_tensor=torch.tensor(eps, dtype=torch.float64) if eps_tensor else None)
             normed.fill_(float("nan"))
             res_out.fill_(float("nan"))
             if mutate:
@@ -150,10 +152,13 @@ def test_ce_simulation_matches_float64(N, T, H, residual, seed):
     dict(dtype=torch.float32, scale=True, bias=True, watched=True),
     dict(dtype=torch.bfloat16, res_dtype=torch.float32, weight_offset=1.0),  # Gemma-style (1 + w), fp32 residual
     dict(dtype=torch.float16, mid_dtype=torch.float16, weight=False),
+    # eps as a device tensor (torch.compile(dynamic=True)), large enough that the float 0.0 would fail
+    dict(dtype=torch.bfloat16, bias=True, residual="sharded", eps=0.5, eps_tensor=True),
 ])
 def test_ce_simulation_dtypes_and_options(case, seed):
     results, S = run_calls(3, 29, 64, seed=seed, **case)
-    check(results, 3, S, 29, weight_offset=case.get("weight_offset", 0.0))
+    check(results, 3, S, 29, weight_offset=case.get("weight_offset", 0.0), sharded=case.get("residual") == "sharded",
+          eps=case.get("eps", 1e-5))
 
 
 def test_missing_wait_is_caught(seed):
@@ -410,12 +415,13 @@ def test_entry_reserves_the_workspace_and_loads_the_sites_kernels(monkeypatch):
     assert entry.IMPLEMENTATION.reserve is not None and entry.IMPLEMENTATION.auto_rank is not None
     entry.IMPLEMENTATION.reserve(_site())
     assert calls == [("reserve", ("g", torch.device("cuda", 0), 64, (BF16,) * 3, MIN_RESERVED_ROWS)),
-                     ("preload", ws, dict(residual_dtype=BF16, terms=[(None, BF16, None)], scale_dtype=torch.float32))]
+                     ("preload", ws, dict(residual_dtype=BF16, terms=[(None, BF16, None)], scale_dtype=torch.float32,
+                                          eps_on_device=False))]
     calls.clear()
     entry.IMPLEMENTATION.reserve(_site(size_hint=3 * MIN_RESERVED_ROWS, terms=None, has_scale=False,
-                                       residual_in_dtype=None, residual_dtype=torch.float32))
+                                       residual_in_dtype=None, residual_dtype=torch.float32, eps_on_device=True))
     assert calls == [("reserve", ("g", torch.device("cuda", 0), 64, (BF16, BF16, torch.float32), 3 * MIN_RESERVED_ROWS)),
-                     ("preload", ws, dict(residual_dtype=None, terms=None, scale_dtype=None))]
+                     ("preload", ws, dict(residual_dtype=None, terms=None, scale_dtype=None, eps_on_device=True))]
 
 
 def test_entry_check_wants_rows_of_16_bytes(monkeypatch):

@@ -80,10 +80,11 @@ def _streams(n):
     return _STREAM_POOL[:n]
 
 
-def emulated_call(wss, xs, residuals, bias, weight, scale, *, num_ctas=8, **spec_kw):
-    """Every rank's call through ``ce.emulated_run``; ``spec_kw`` are FusedSpec fields."""
+def emulated_call(wss, xs, residuals, bias, weight, scale, *, num_ctas=8, eps_tensor=None, **spec_kw):
+    """Every rank's call through ``ce.emulated_run``; ``spec_kw`` are FusedSpec fields, ``eps_tensor``
+    (0-d, on the device) replaces ``eps``."""
     spec = FusedSpec(residual_dtype=wss[0].dtypes[2], out_dtype=wss[0].dtypes[1], comm_ctas=num_ctas, **spec_kw)
-    rows = [Rows(x, r, bias, weight, scale) for x, r in zip(xs, residuals)]
+    rows = [Rows(x, r, bias, weight, scale, eps_tensor) for x, r in zip(xs, residuals)]
     return ce.emulated_run(wss, rows, spec, _streams(len(wss)))
 
 
@@ -106,9 +107,9 @@ def _residual_args(res_full, N, T, sharded):
     return [padded[r * S:(r + 1) * S].clone() for r in range(N)]
 
 
-def _check(outs, partials, res_full, bias, weight, N, T, sharded, scale=None):
+def _check(outs, partials, res_full, bias, weight, N, T, sharded, scale=None, eps=1e-5):
     # The outputs' dtypes are the contract's: the oracle rounds to them.
-    y, acc = allreduce_add_rmsnorm_ref(partials, res_full, bias, weight, eps=1e-5, scale=scale,
+    y, acc = allreduce_add_rmsnorm_ref(partials, res_full, bias, weight, eps=eps, scale=scale,
                                        out_dtype=outs[0][0].dtype, residual_dtype=outs[0][1].dtype)
     S = -(-T // N)
     for r, (normed, res_out) in enumerate(outs):
@@ -224,26 +225,32 @@ def test_ce_emulated_dtypes_scale(dtype, res_dtype, out_dtype, seed):
     _check(outs, partials, res_full, bias, weight, N, T, False, scale=scale)
 
 
-def test_no_token_count_loads_a_kernel_at_run_time(seed):
+@pytest.mark.parametrize("eps_dtype", [None, torch.float64, torch.float32])
+def test_no_token_count_loads_a_kernel_at_run_time(eps_dtype, seed):
     """What the registry entry's reserve loads (``preload_site``, on watched workspaces as in
     production) is every kernel that calls of any T, CTA count and residual layout launch: the
-    Triton kernel cache does not grow."""
+    Triton kernel cache does not grow. ``eps_dtype``: eps a 0-d device tensor of that dtype (a site
+    whose eps is on the device)."""
     N, H = 2, 4096
     wss = ce.emulated_workspaces(N, 2304, H, (BF16,) * 3, device="cuda")  # a multiple of 256 rows
     _watch(wss, required=False)  # as in production: watched where the device can write the marks
     for ws in wss:
-        assert program.preload_site(ws, residual_dtype=BF16, terms=[(BF16, BF16, None)], scale_dtype=None) >= 1
+        assert program.preload_site(ws, residual_dtype=BF16, terms=[(BF16, BF16, None)], scale_dtype=None,
+                                    eps_on_device=eps_dtype is not None) >= 1
     cache = addnorm._add_rmsnorm_rows_kernel.device_caches[torch.cuda.current_device()][0]
     before = set(cache)
+    eps = 1e-5 if eps_dtype is None else 0.5
+    eps_kw = dict(eps=eps) if eps_dtype is None else dict(eps=0.0, eps_tensor=torch.tensor(eps, dtype=eps_dtype,
+                                                                                         device="cuda"))
     for T in (1, 3, 257, 4099):
         partials, res_full, bias, weight = _inputs(N, T, H, BF16, BF16, True, seed + T)
         for sharded in (False, True):
             for ctas in (2, 32):
                 outs = emulated_call(wss, partials, _residual_args(res_full, N, T, sharded), bias, weight, None,
-                                     eps=1e-5, residual_in_sharded=sharded, residual_out_sharded=sharded,
-                                     num_ctas=ctas)
+                                     residual_in_sharded=sharded, residual_out_sharded=sharded, num_ctas=ctas,
+                                     **eps_kw)
                 _sync()
-                _check(outs, partials, res_full, bias, weight, N, T, sharded)
+                _check(outs, partials, res_full, bias, weight, N, T, sharded, eps=eps)
     assert set(cache) == before, f"{len(set(cache) - before)} kernels compiled or loaded at run time"
 
 
@@ -280,10 +287,12 @@ def test_ce_1000_back_to_back_calls(watched, seed):
 
 @pytest.mark.parametrize("sharded", [False, True])
 @pytest.mark.parametrize("watched", [False, True])
-def test_ce_graph_replay_new_data(sharded, watched, seed):
+@pytest.mark.parametrize("eps", ["float", "tensor"])
+def test_ce_graph_replay_new_data(sharded, watched, eps, seed):
     """Three chained calls of both ranks captured in one graph, replayed with new inputs copied
     into the captured buffers and every output poisoned first: flags reset themselves, so every
-    replay is a full protocol; each replay's outputs against the float64 oracle."""
+    replay is a full protocol; each replay's outputs against the float64 oracle. eps="tensor": a
+    0-d device tensor given a new value before each replay, which the replay must read."""
     N, T, H = 2, 1001, 4096
     wss = ce.emulated_workspaces(N, 512, H, (BF16,) * 3, device="cuda")
     if watched:
@@ -291,7 +300,10 @@ def test_ce_graph_replay_new_data(sharded, watched, seed):
     partials, res_full, bias, weight = _inputs(N, T, H, BF16, BF16, True, seed)
     static_x = [p.clone() for p in partials]
     static_res = [t.clone() for t in _residual_args(res_full, N, T, sharded)]
+    eps_t = torch.tensor(0.5, dtype=torch.float64, device="cuda")
     kw = dict(eps=1e-5, residual_in_sharded=sharded, residual_out_sharded=sharded)
+    if eps == "tensor":
+        kw.update(eps=0.0, eps_tensor=eps_t)
 
     def three_calls():
         calls = [emulated_call(wss, static_x, static_res, bias, weight, None, **kw)]
@@ -309,13 +321,14 @@ def test_ce_graph_replay_new_data(sharded, watched, seed):
             static_x[r].copy_(partials[r])
         for dst, src in zip(static_res, _residual_args(res_full, N, T, sharded)):
             dst.copy_(src)
+        eps_t.fill_(0.25 * (rep + 1))  # of the order of the rows' mean square: it moves every output
         for outs in calls:
             _poison(outs)
         g.replay()
         _sync()
         inputs = partials
         for outs in calls:
-            _check(outs, inputs, res_full, bias, weight, N, T, sharded)
+            _check(outs, inputs, res_full, bias, weight, N, T, sharded, eps=eps_t.item() if eps == "tensor" else 1e-5)
             inputs = [o[0] for o in outs]  # every rank's normed output (identical across ranks)
         for ws in wss:
             assert int(ws.regions[ws.rank].flags.abs().sum()) == 0

@@ -144,15 +144,20 @@ def _variant_recorder(monkeypatch) -> dict:
     (1024, (FP32, FP32, FP32), FP32, (None, FP32, None), True),
 ])
 @pytest.mark.parametrize("watched", [False, True])
-def test_no_token_count_makes_a_variant_of_its_own(monkeypatch, N, H, dtypes, res_in, terms, scale, watched):
+@pytest.mark.parametrize("eps_dtype", [None, torch.float64, torch.float32])
+def test_no_token_count_makes_a_variant_of_its_own(monkeypatch, N, H, dtypes, res_in, terms, scale, watched,
+                                                   eps_dtype):
     """Every launch of every T (1, 3, 257, 4099, ...), CTA count and residual layout on rank N-1
-    (its rows at an offset) is a variant that ``preload_site`` loaded for the site."""
+    (its rows at an offset) is a variant that ``preload_site`` loaded for the site; with eps a
+    tensor (``eps_dtype``, the site's ``eps_on_device``) too, which a float-eps preload misses."""
     seen = _variant_recorder(monkeypatch)
     ws = ce.emulated_workspaces(N, 2304, H, dtypes)[N - 1]  # a multiple of 256 rows, as allocated
     if watched:
         Watchdog(timeout_s=60).watch([ws])
-    n = program.preload_site(ws, residual_dtype=res_in, terms=[terms], scale_dtype=FP32 if scale else None)
+    n = program.preload_site(ws, residual_dtype=res_in, terms=[terms], scale_dtype=FP32 if scale else None,
+                             eps_on_device=eps_dtype is not None)
     assert n == len(seen["preload"]) >= 1
+    eps = None if eps_dtype is None else torch.tensor(0.25, dtype=eps_dtype)
     bias_dt, weight_dt, mid = terms
     for T in (1, 2, 3, 17, 64, 257, 1000, 4099):
         S = -(-T // N)
@@ -161,7 +166,7 @@ def test_no_token_count_makes_a_variant_of_its_own(monkeypatch, N, H, dtypes, re
             residual = None if res_in is None else torch.randn(S if sharded else T, H).to(res_in)
             rows = Rows(x, residual, None if bias_dt is None else torch.randn(H).to(bias_dt),
                         None if weight_dt is None else torch.randn(H).to(weight_dt),
-                        torch.tensor(0.5) if scale else None)
+                        torch.tensor(0.5) if scale else None, eps)
             for ctas in (1, 8, 32):
                 spec = FusedSpec(residual_dtype=dtypes[2], out_dtype=dtypes[1], mid_dtype=mid, comm_ctas=ctas,
                                  residual_in_sharded=sharded, residual_out_sharded=sharded)
@@ -173,6 +178,10 @@ def test_no_token_count_makes_a_variant_of_its_own(monkeypatch, N, H, dtypes, re
     assert not missing, f"{len(missing)} launched variants were not preloaded, e.g. {sorted(missing)[0]}"
     if H == 4096 and N == 2:  # both launch shapes occur (one warp per row, the tile loop) and were loaded
         assert len(seen["launch"]) == 2
+    if eps_dtype is not None:  # an eps tensor is a variant of its own: a float-eps preload would miss it
+        seen["preload"].clear()
+        program.preload_site(ws, residual_dtype=res_in, terms=[terms], scale_dtype=FP32 if scale else None)
+        assert seen["launch"].isdisjoint(seen["preload"])
 
 
 def test_unknown_terms_load_every_combination(monkeypatch):

@@ -37,8 +37,8 @@ import torch
 THIS_FILE = os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(THIS_FILE)))))  # script mode
 
-from tests.kernels._symm_cases import (case_name, check_outputs, kernel_kwargs, make_case,  # noqa: E402
-                                       make_inputs, reference, rows_ref, run_script, shard_rows,
+from tests.kernels._symm_cases import (case_name, check_outputs, eps_args, kernel_kwargs,  # noqa: E402
+                                       make_case, make_inputs, reference, rows_ref, run_script, shard_rows,
                                        spawn_ranks)
 from weave_compile import kernels  # noqa: E402
 from weave_compile.kernels.p2p import launch  # noqa: E402
@@ -203,7 +203,7 @@ def test_kernel_in_cpu_interpreter(world):
 # ======================================================================================
 
 SIM_CASES = [
-    make_case(7, 64, "bf16", seed=1),
+    make_case(7, 64, "bf16", seed=1, eps_tensor=True),  # the push kernel reads eps from a tensor
     make_case(1, 64, "fp32", res="none", bias=False, seed=2),  # T < world
     make_case(37, 32, "fp16", res="shard_both", mid="bf16", woff=1.0, ctas=4, seed=3),
     make_case(40, 48, "fp32", out_dtype="bf16", res_dtype="fp32", res="shard_in", ctas=3,
@@ -263,6 +263,8 @@ def _sim_worker(rank, world, pools, status, barrier, failures):
             ws.inp[:T].copy_(x)
             x = ws.inp[:T]
         call = p2p_pull if ci % 2 else launch.allreduce_rmsnorm
+        if variant == "p2p":  # the launcher takes eps as a tensor (the benchmark's pull launcher does not)
+            kw.update(eps_args(c, "cpu"))
         normed, res_out = call(x, res_in, bias, weight, group_name="sim", **kw)
         ref_n, ref_r = reference(c, xs, residual, bias, weight)
         ok, en, er, msg = check_outputs(c, world, rank, normed, res_out, ref_n, ref_r)

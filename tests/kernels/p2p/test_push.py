@@ -21,7 +21,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from tests.kernels._symm_cases import (DTYPES, NO_RESIDUAL, check_outputs, make_case,  # noqa: E402
+from tests.kernels._symm_cases import (DTYPES, NO_RESIDUAL, check_outputs, eps_args, make_case,  # noqa: E402
                                        make_inputs, reference, rows_ref, shard_rows, sharding)
 from weave_compile.kernels.shared.common import ENV_SPIN_LIMIT, HAS_TRITON  # noqa: E402
 from weave_compile.testing.emulated_ranks import EmulatedRanks, push_allreduce_rmsnorm  # noqa: E402
@@ -46,6 +46,10 @@ def _cases():
             cs.append(make_case(T, 4096, "bf16", res=res, seed=len(cs) + 1))
     cs += [
         make_case(257, 4096, "bf16", res_dtype="fp32", mid="bf16", seed=101),  # HF Llama
+        # eps a device tensor (torch.compile(dynamic=True)): one case per add+norm loop
+        make_case(257, 4096, "bf16", res_dtype="fp32", mid="bf16", seed=111, eps_tensor=True),
+        make_case(4099, 8192, "fp32", out_dtype="bf16", seed=112, eps_tensor=True),
+        make_case(3, 2048, "bf16", res="shard_both", seed=113, eps_tensor=True),
         make_case(257, 4096, "bf16", woff=1.0, bias=True, seed=102),  # Gemma, with a bias
         make_case(4099, 8192, "fp32", out_dtype="bf16", weight=False, seed=103),
         make_case(4099, 4096, "bf16", ctas=2, seed=104),
@@ -66,7 +70,7 @@ def _run_case(ranks, c, outputs=None):
     outs = push_allreduce_rmsnorm(
         ranks, xs, res_in, bias, weight, residual_out_sharded=out_sh, residual_in_sharded=in_sh,
         comm_ctas=c["ctas"], mid_dtype=DTYPES[c["mid"]] if c["mid"] else None,
-        weight_offset=c["woff"], eps=1e-6, outputs=outputs)
+        weight_offset=c["woff"], outputs=outputs, **eps_args(c, "cuda"))
     torch.cuda.synchronize()
     return outs, reference(c, xs, residual, bias, weight)
 
@@ -90,8 +94,8 @@ def _poisoned(ranks, c):
 
 
 @pytest.mark.parametrize("c", _cases(), ids=lambda c: " ".join(
-    f"{k}={c[k]}" for k in ("T", "H", "dtype", "res", "ctas", "mid", "res_dtype", "out_dtype", "woff")
-    if c[k] not in (None, 0.0)))
+    f"{k}={c[k]}" for k in ("T", "H", "dtype", "res", "ctas", "mid", "res_dtype", "out_dtype", "woff", "eps_tensor")
+    if c[k] not in (None, 0.0, False)))
 def test_push_matches_float64_oracle(c):
     ranks = _ranks_for(c)
     outs, (ref_n, ref_r) = _run_case(ranks, c, outputs=_poisoned(ranks, c))
@@ -126,9 +130,11 @@ def test_push_1000_back_to_back_calls(ring):
     assert ranks.barrier_state() == (0, 0)
 
 
+@pytest.mark.parametrize("eps", ["float", "tensor"])
 @pytest.mark.parametrize("ring", [False, True], ids=["fresh", "ring"])
-def test_push_cuda_graph_replays_with_new_data(ring):
-    """ring: the captured launch leaves its output in ring slot 1."""
+def test_push_cuda_graph_replays_with_new_data(ring, eps):
+    """ring: the captured launch leaves its output in ring slot 1. eps="tensor": eps is a 0-d
+    device tensor given a new value before each replay, which the replay must read."""
     H, T = 4096, 300
     slot = 1 if ring else -1
     ranks = EmulatedRanks.create(WORLD, H, T, dtype=torch.bfloat16)
@@ -136,33 +142,36 @@ def test_push_cuda_graph_replays_with_new_data(ring):
     xs, residual, _, weight = make_inputs(c0, WORLD, "cuda")
     x_static = [x.clone() for x in xs]
     r_static = residual.clone()
+    eps_t = torch.tensor(0.5, dtype=torch.float64, device="cuda")
+    eps_kw = dict(eps=0.0, eps_tensor=eps_t) if eps == "tensor" else {}
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up: compiles the kernel outside capture
-        outs = push_allreduce_rmsnorm(ranks, x_static, [r_static] * WORLD, None, weight, out_slot=slot)
+        outs = push_allreduce_rmsnorm(ranks, x_static, [r_static] * WORLD, None, weight, out_slot=slot, **eps_kw)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         outs = push_allreduce_rmsnorm(ranks, x_static, [r_static] * WORLD, None, weight, outputs=outs,
-                                      out_slot=slot)
+                                      out_slot=slot, **eps_kw)
     for k in range(5):
         c = make_case(T, H, "bf16", bias=False, seed=900 + k)
         xs, residual, _, _ = make_inputs(c, WORLD, "cuda")
         for xst, x in zip(x_static, xs):
             xst.copy_(x)
         r_static.copy_(residual)
+        eps_t.fill_(0.25 * (k + 1))  # of the order of the rows' mean square: it moves every output
         for n, ro in outs:
             n.fill_(float("nan"))
             ro.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
-        ref_n, ref_r = rows_ref(xs, residual, None, weight)
+        ref_n, ref_r = rows_ref(xs, residual, None, weight, eps=eps_t.item() if eps == "tensor" else 1e-6)
         for r, (n, ro) in enumerate(outs):
             ok, _, _, msg = check_outputs(c, WORLD, r, n, ro, ref_n, ref_r)
             assert ok, f"replay {k} rank {r}: {msg}"
         # eager launches between replays keep the pads in step
-        eager = push_allreduce_rmsnorm(ranks, xs, [residual] * WORLD, None, weight)
+        eager = push_allreduce_rmsnorm(ranks, xs, [residual] * WORLD, None, weight, **eps_kw)
         torch.cuda.synchronize()
         assert check_outputs(c, WORLD, 0, *eager[0], ref_n, ref_r)[0]
     assert ranks.barrier_state() == (0, 0)

@@ -45,7 +45,7 @@ def _reserve(site) -> None:
     scale = (terms.scale if terms is not None and terms.scale is not None else torch.float32) if site.has_scale else None
     n = program.preload_site(ws, residual_dtype=site.residual_in_dtype,
                              terms=None if terms is None else [(terms.bias, terms.weight, terms.mid)],
-                             scale_dtype=scale)
+                             scale_dtype=scale, eps_on_device=site.eps_on_device)
     log.info("ce: group %s H=%d: workspace of %d rows per rank, %d add+norm kernels loaded",
              site.group_name, site.hidden, ws.capacity, n)
 
@@ -59,6 +59,7 @@ def _run(rows, spec):
 IMPLEMENTATION = Implementation(
     "ce", "copy-engine peer copies, stream-memory-op flags, a few-CTA add+norm: no SM moves or spins",
     _check, _run, reserve=_reserve, capacity_error=copy_engine.CeCapacityError, takes_scale=True,
+    takes_eps_tensor=True,
     # After p2p (2) where nothing measured decides; the measured table (kernels/auto_table.py)
     # picks it where its rows say it is fastest.
     auto_rank=3)

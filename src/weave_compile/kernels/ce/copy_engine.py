@@ -151,7 +151,7 @@ def ce_call(ws: CeWorkspace, rows: Rows, spec: FusedSpec, *, config: Optional[ad
     residual = rows.residual
     if residual is not None and residual.stride(-1) != 1:
         residual = residual.contiguous()
-    rows = Rows(x, residual, rows.bias, rows.weight, rows.scale)
+    rows = Rows(x, residual, rows.bias, rows.weight, rows.scale, rows.eps_tensor)
     check_args(ws, rows, spec)
     normed, residual_out = allocate_outputs(ws, x.shape[0], spec.residual_out_sharded, x.device)
     prog = build_program(ws, rows, spec, normed, residual_out, config=config)

@@ -21,6 +21,7 @@ from weave_compile.rows import rows_of_rank
 
 from ..shared import addnorm
 from ..shared.shapes import ROWWISE_WARPS
+from ..shared.symm_call import kernel_eps
 from ..spec import FusedSpec, Rows
 from . import memops
 from .workspace import AG, RS, CeWorkspace, slot_of
@@ -126,7 +127,7 @@ def build_program(ws: CeWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Te
         residual=res_in, bias=rows.bias, weight=rows.weight,
         scale=None if rows.scale is None else rows.scale.reshape(1),
         normed=me.out, res_out=residual_out if spec.residual_out_sharded else me.res[:n_mine], n_valid=n_mine,
-        eps=spec.eps, mid_dtype=spec.mid_dtype, weight_offset=spec.weight_offset, num_ctas=spec.comm_ctas,
+        eps=kernel_eps(rows, spec), mid_dtype=spec.mid_dtype, weight_offset=spec.weight_offset, num_ctas=spec.comm_ctas,
         config=config)
     if watched:
         kwargs["abort"] = me.abort
@@ -199,16 +200,22 @@ def _unknown_terms(site_dtype: torch.dtype, residual_dtype: torch.dtype) -> list
     return list(itertools.product((None, site_dtype), (None, site_dtype), (None, residual_dtype)))
 
 
+#: The dtypes an eps tensor may have (a Python-float graph input is float64; a model's own 0-d
+#: buffer may be float32): a site whose eps lives on the device loads the kernel for each.
+EPS_TENSOR_DTYPES = (torch.float64, torch.float32)
+
+
 def preload_site(ws: CeWorkspace, *, residual_dtype: Optional[torch.dtype], terms: Optional[Iterable[tuple]],
-                 scale_dtype: Optional[torch.dtype]) -> int:
+                 scale_dtype: Optional[torch.dtype], eps_on_device: bool = False) -> int:
     """Compile and load every add+norm variant that calls on ``ws`` can launch; returns how many
     distinct kernels that is (0 off GPU: the torch path loads nothing).
 
     A variant is the kernel's constexprs (dtypes, H, slots, which terms, the launch shape) and
     Triton's specialization of its run-time arguments. For a site those follow from the site:
     ``residual_dtype`` (the residual input's, None: none), ``terms`` (``(bias, weight, mid)``
-    dtypes, None: absent; None: unknown, every combination), ``scale_dtype`` and whether ``ws`` is
-    watched. Not from T: the row counts are not specialized (``do_not_specialize``), and the
+    dtypes, None: absent; None: unknown, every combination), ``scale_dtype``, whether eps comes as
+    a device tensor (``eps_on_device``: one variant per :data:`EPS_TENSOR_DTYPES`, its pointer's
+    dtype being part of the signature) and whether ``ws`` is watched. Not from T: the row counts are not specialized (``do_not_specialize``), and the
     two launch shapes T can select (one warp per row from 8 rows per CTA on, else the tile loop:
     :func:`weave_compile.kernels.shared.addnorm.launch_config`) are both loaded. Pointers are
     16-byte aligned at every T: fresh outputs and regions are, and every row is a multiple of 16
@@ -229,13 +236,15 @@ def preload_site(ws: CeWorkspace, *, residual_dtype: Optional[torch.dtype], term
     res_out = torch.empty(rows, H, dtype=res_dt, device=dev)
     scale = torch.ones(1, dtype=scale_dtype, device=dev) if scale_dtype is not None else None
     abort = torch.zeros(1, dtype=torch.int32, device=dev) if ws.mark is not None else None
+    epss = [torch.full((), 1e-6, dtype=dt, device=dev) for dt in EPS_TENSOR_DTYPES] if eps_on_device else [1e-6]
     loaded = set()
     for bias_dt, weight_dt, mid in dict.fromkeys(terms):
         bias = torch.empty(H, dtype=bias_dt, device=dev) if bias_dt is not None else None
         weight = torch.empty(H, dtype=weight_dt, device=dev) if weight_dt is not None else None
-        for n in (1, rows):  # 1 row per CTA: the tile loop; `rows` per CTA: one warp per row where it fits
+        for n, eps in itertools.product((1, rows), epss):
+            # 1 row per CTA: the tile loop; `rows` per CTA: one warp per row where it fits
             k = addnorm.add_rmsnorm_rows(x, recv, residual, bias, weight, scale, normed, res_out[:n], n_valid=n,
-                                         eps=1e-6, mid_dtype=mid, weight_offset=0.0, num_ctas=1, abort=abort,
+                                         eps=eps, mid_dtype=mid, weight_offset=0.0, num_ctas=1, abort=abort,
                                          preload=True)
             if k is not None:
                 loaded.add(id(k))

@@ -43,5 +43,6 @@ def _run(rows, spec):
 # on one H200 only, and auto takes no design whose crossover was never measured).
 IMPLEMENTATION = Implementation(
     "oneshot", "every rank pushes all its rows to every peer, data as their own flags: no barrier (decode)",
-    _check, _run, reserve=_reserve, capacity_error=SymmCapacityError, auto_rank=1, auto_preferred=True,
+    _check, _run, reserve=_reserve, capacity_error=SymmCapacityError, takes_eps_tensor=True, auto_rank=1,
+    auto_preferred=True,
     auto_max_bytes=ONESHOT_MAX_BYTES, auto_ready=False)

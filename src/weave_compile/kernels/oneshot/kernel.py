@@ -88,6 +88,7 @@ import torch
 
 from ..shared.common import HAS_TRITON, spin_limit, tl, tl_dtype, triton
 from ..shared.probe import check_hidden
+from ..shared.symm_call import kernel_eps
 from ..shared.shapes import launch_meta
 from ..spec import FusedSpec, Rows
 from .workspace import SENTINEL, OneShotWorkspace, SymmCapacityError, get_workspace
@@ -141,7 +142,7 @@ if HAS_TRITON:
         stride_res_row,
         stride_out_row,
         stride_res_out_row,
-        eps,
+        eps,  # a float, or a 0-d tensor on the device (EPS_PTR)
         weight_offset,
         WORLD_SIZE: tl.constexpr,
         HIDDEN: tl.constexpr,
@@ -164,6 +165,7 @@ if HAS_TRITON:
         RESIDUAL_OUT_SHARDED: tl.constexpr,
         PUSH_RES: tl.constexpr,  # HAS_RESIDUAL and RESIDUAL_IN_SHARDED: peers need our residual rows
         SPIN_LIMIT: tl.constexpr,
+        EPS_PTR: tl.constexpr = False,
     ):
         pid = tl.program_id(0)
         step = tl.num_programs(0) * BLOCK_ROWS
@@ -221,6 +223,8 @@ if HAS_TRITON:
             i0 += step
 
         # 4. wait for every peer's rows in our own slot, reduce in rank order, add, norm.
+        if EPS_PTR:  # eps a 0-d device tensor (a graph input under dynamic shapes)
+            eps = tl.load(eps).to(tl.float32)
         bias, w = norm_params(BIAS, WEIGHT, cols, col_ok, weight_offset, HAS_BIAS, HAS_WEIGHT)
         timeouts = tl.zeros((), dtype=tl.int32)
         slot_base = own_base + slot * slot_bytes
@@ -306,6 +310,7 @@ def launch(ws: OneShotWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Tens
         raise ValueError(f"workspace residual dtype {ws.res_dtype} != residual {rin_dtype}")
     meta = launch_meta(H, S * N, spec.comm_ctas)
     dummy = ws.state
+    eps = kernel_eps(rows, spec)
     _oneshot_allreduce_rmsnorm_kernel[(meta.grid,)](
         ws.ptr_table, ws.state, x,
         residual if residual is not None else dummy,
@@ -314,7 +319,7 @@ def launch(ws: OneShotWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Tens
         normed, residual_out,
         T, S, ws.rank, ws.layout.slot_bytes, ws.layout.src_bytes, ws.layout.res_off,
         x.stride(0), residual.stride(0) if residual is not None else 0, normed.stride(0), residual_out.stride(0),
-        float(spec.eps), float(spec.weight_offset),
+        eps, float(spec.weight_offset),
         WORLD_SIZE=N, HIDDEN=H, BLOCK_H=meta.block_h, BLOCK_ROWS=meta.block_rows,
         IN_DTYPE=tl_dtype(x.dtype), IN_BITS=_tl_int(x.dtype), IN_SENT=SENTINEL[x.dtype],
         RIN_DTYPE=tl_dtype(ws.res_dtype), RIN_BITS=_tl_int(ws.res_dtype), RIN_SENT=SENTINEL[ws.res_dtype],
@@ -324,7 +329,7 @@ def launch(ws: OneShotWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Tens
         HAS_MID=mid_dtype is not None, RESIDUAL_IN_SHARDED=residual_in_sharded,
         RESIDUAL_OUT_SHARDED=residual_out_sharded,
         PUSH_RES=residual is not None and residual_in_sharded, SPIN_LIMIT=spin_limit(),
-        num_warps=meta.num_warps, num_stages=1)
+        EPS_PTR=isinstance(eps, torch.Tensor), num_warps=meta.num_warps, num_stages=1)
 
 
 def _tl_int(dtype: torch.dtype):
@@ -356,7 +361,7 @@ def oneshot_allreduce_rmsnorm(rows: Rows, spec: FusedSpec, workspace: Optional[O
         return normed, residual_out
     rows = Rows(x.contiguous(), None if residual is None else residual.contiguous(),
                 None if rows.bias is None else rows.bias.contiguous(),
-                None if rows.weight is None else rows.weight.contiguous())
+                None if rows.weight is None else rows.weight.contiguous(), eps_tensor=rows.eps_tensor)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         launch(ws, rows, spec, normed, residual_out)
     return normed, residual_out

@@ -34,4 +34,5 @@ def _run(rows, spec):
 
 IMPLEMENTATION = Implementation(
     "p2p", "push kernel: peer stores into symmetric memory, three block barriers, any NVLink/P2P machine",
-    _check, _run, reserve=_reserve, capacity_error=SymmCapacityError, takes_out_slot=True, auto_rank=2)
+    _check, _run, reserve=_reserve, capacity_error=SymmCapacityError, takes_out_slot=True, takes_eps_tensor=True,
+    auto_rank=2)

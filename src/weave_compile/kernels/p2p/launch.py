@@ -19,7 +19,7 @@ import torch
 from ..shared.common import extent, interpreting, needs_int64, next_pow2, prefetch_fits, prev_pow2, spin_limit
 from ..shared.shapes import (ROWWISE_CHUNK, ROWWISE_WARPS, LaunchMeta, norm_constexprs, rowwise_fits,
                              warps_and_rows)
-from ..shared.symm_call import contiguous_inputs, run_on_workspace
+from ..shared.symm_call import contiguous_inputs, kernel_eps, run_on_workspace
 from ..shared.workspace import SymmWorkspace, ring_output
 from ..spec import FusedSpec, Rows
 from .push import push_allreduce_rmsnorm_kernel
@@ -168,12 +168,13 @@ def launch_push(ws: SymmWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Te
         has_residual=residual is not None, has_weight=weight is not None,
         residual_in_sharded=spec.residual_in_sharded, residual_out_sharded=spec.residual_out_sharded,
         spin=spin_limit(), interp=interpreting())
+    eps = kernel_eps(rows, spec)
     args = (ws.ptr_table, x, residual if residual is not None else dummy,
             bias if bias is not None else dummy, weight if weight is not None else dummy,
             normed, residual_out, ws.status,
             num_tokens, S, ws.capacity // N, ws.rank, ws.pad_offset,
             x.stride(0), residual.stride(0) if residual is not None else 0,
-            normed.stride(0), residual_out.stride(0), float(spec.eps), float(spec.weight_offset),
+            normed.stride(0), residual_out.stride(0), eps, float(spec.weight_offset),
             max(out_slot, 0) * ws.capacity)
     # Every region offset is below capacity x H rows' worth, the ring's below the end of the slot
     # this launch writes (slot 0 is the output region itself).
@@ -181,6 +182,7 @@ def launch_push(ws: SymmWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Te
     idx64 = needs_int64(region_rows * H, *(extent(t) for t in (x, residual, normed, residual_out)
                                            if t is not None))
     kwargs = dict(OUT_IN_REGION=out_slot >= 0, PHASES=int(phases), SYNC=bool(sync), IDX64=idx64,
+                  EPS_PTR=isinstance(eps, torch.Tensor),
                   num_warps=meta.num_warps, num_stages=1, **consts)
     if compile_only:  # compile (or find) the binary this launch would run, launch nothing
         push_allreduce_rmsnorm_kernel.warmup(*args, grid=(meta.grid,), **kwargs)
@@ -234,12 +236,13 @@ def _overlaps_ring_slot(ws: SymmWorkspace, slot: int, *tensors) -> bool:
 
 def allreduce_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
                       weight: Optional[torch.Tensor] = None, *, channel: int = 0, num_warps: Optional[int] = None,
-                      **spec_kw) -> tuple[torch.Tensor, torch.Tensor]:
+                      eps_tensor: Optional[torch.Tensor] = None, **spec_kw) -> tuple[torch.Tensor, torch.Tensor]:
     """All-reduce ``x`` [T, H] over ``spec_kw["group_name"]``, add bias/residual, RMSNorm, with the
     push kernel: ``(normed [T, H], residual_out [T, H] or this rank's [S, H] shard)``.
 
     ``spec_kw`` are :class:`~weave_compile.kernels.spec.FusedSpec`'s fields (dtypes default to the
-    inputs'). Collective; see :func:`weave_compile.kernels.shared.symm_call.run_on_workspace`."""
+    inputs'); ``eps_tensor`` (0-d, on ``x``'s device) replaces ``eps`` and is read there.
+    Collective; see :func:`weave_compile.kernels.shared.symm_call.run_on_workspace`."""
     spec = FusedSpec.for_rows(x, residual, **spec_kw)
-    rows = Rows(x, residual, bias, weight)
+    rows = Rows(x, residual, bias, weight, eps_tensor=eps_tensor)
     return run_on_workspace(rows, spec, push_on, ring=spec.out_slot >= 0, channel=channel, num_warps=num_warps)

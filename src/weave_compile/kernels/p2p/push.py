@@ -205,7 +205,7 @@ if HAS_TRITON:
         RESIDUAL_OUT_SHARDED: tl.constexpr, SPIN_LIMIT: tl.constexpr, FENCE_ASM: tl.constexpr,
         OUT_IN_REGION: tl.constexpr = False, PHASES: tl.constexpr = 7, SYNC: tl.constexpr = True,
         IDX64: tl.constexpr = True, NORM_CHUNK: tl.constexpr = 0,
-        NORM_DEPTH: tl.constexpr = 1,
+        NORM_DEPTH: tl.constexpr = 1, EPS_PTR: tl.constexpr = False,
     ):
         pid = tl.program_id(0)
         step = tl.num_programs(0) * BLOCK_ROWS
@@ -230,6 +230,8 @@ if HAS_TRITON:
 
         # 2. reduce our rows locally, add, norm; keep our rows, push them to every peer.
         if PHASES & 2:
+            if EPS_PTR:  # eps a 0-d device tensor (a graph input under dynamic shapes)
+                eps = tl.load(eps).to(tl.float32)
             bias, w = norm_params(BIAS, WEIGHT, cols, col_ok, weight_offset, HAS_BIAS, HAS_WEIGHT)
             out_peers, peer_ok = _peer_regions(PTR_TABLE, 1, rank, OUT_DTYPE, WORLD_SIZE, PEERS_P2)
             res_peers, _ = _peer_regions(PTR_TABLE, 2, rank, RES_DTYPE, WORLD_SIZE, PEERS_P2)

@@ -9,7 +9,7 @@ compile-time reservation.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -39,6 +39,19 @@ def check_rows(rows: Rows, spec: FusedSpec) -> None:
     for name, t in (("bias", rows.bias), ("weight", rows.weight)):
         if t is not None and (t.dim() != 1 or t.shape[0] != H):
             raise ValueError(f"{name} must have shape [{H}]")
+
+
+def kernel_eps(rows: Rows, spec: FusedSpec) -> Union[float, torch.Tensor]:
+    """eps as the symmetric-memory kernels take it: a float, or ``rows.eps_tensor``, which they load
+    on ``x``'s device (``EPS_PTR``). Raises ValueError for a tensor they cannot load there."""
+    e = rows.eps_tensor
+    if e is None:
+        return float(spec.eps)
+    x = rows.x
+    if e.dim() != 0 or e.device != x.device or not e.dtype.is_floating_point:
+        raise ValueError(f"eps_tensor must be a 0-d floating-point tensor on {x.device}, got "
+                         f"shape {tuple(e.shape)} {e.dtype} on {e.device}")
+    return e
 
 
 def check_residual(rows: Rows, spec: FusedSpec, world_size: int) -> None:
