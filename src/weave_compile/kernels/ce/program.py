@@ -215,8 +215,9 @@ def preload_site(ws: CeWorkspace, *, residual_dtype: Optional[torch.dtype], term
     ``residual_dtype`` (the residual input's, None: none), ``terms`` (``(bias, weight, mid)``
     dtypes, None: absent; None: unknown, every combination), ``scale_dtype``, whether eps comes as
     a device tensor (``eps_on_device``: one variant per :data:`EPS_TENSOR_DTYPES`, its pointer's
-    dtype being part of the signature) and whether ``ws`` is watched. Not from T: the row counts are not specialized (``do_not_specialize``), and the
-    two launch shapes T can select (one warp per row from 8 rows per CTA on, else the tile loop:
+    dtype being part of the signature) and whether ``ws`` is watched. Not from T: the row counts
+    are not specialized (``do_not_specialize``), and the two launch shapes T can select (one warp
+    per row from 8 rows per CTA on, else the tile loop:
     :func:`weave_compile.kernels.shared.addnorm.launch_config`) are both loaded. Pointers are
     16-byte aligned at every T: fresh outputs and regions are, and every row is a multiple of 16
     bytes (the ``ce`` check requires it), so row offsets keep the base's alignment."""

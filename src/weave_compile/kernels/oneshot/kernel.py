@@ -88,8 +88,8 @@ import torch
 
 from ..shared.common import HAS_TRITON, spin_limit, tl, tl_dtype, triton
 from ..shared.probe import check_hidden
-from ..shared.symm_call import kernel_eps
 from ..shared.shapes import launch_meta
+from ..shared.symm_call import kernel_eps
 from ..spec import FusedSpec, Rows
 from .workspace import SENTINEL, OneShotWorkspace, SymmCapacityError, get_workspace
 
