@@ -134,6 +134,35 @@ def _default_store():
     return _get_default_store()
 
 
+def measuring_store():
+    """The store the ranks meet on before a measured choice (:mod:`weave_compile.kernels.measured`);
+    None where no peer will answer (no process group, or the fake one)."""
+    return _default_store()
+
+
+def is_compiling(rank: int) -> bool:
+    """Whether ``rank`` is compiling now (its peers' waits restart meanwhile)."""
+    store = _default_store()
+    return store is not None and consensus._is_compiling(store, rank)
+
+
+def waiting_at_first_call(ranks: Ranks, rank: int) -> str:
+    """What ``rank`` waits on at a graph's first call on group ``ranks`` ("" when it does not wait
+    there): a peer waiting there compiled past a measurement meeting it did not attend."""
+    store = _default_store()
+    return "" if store is None else consensus.waiting_at(store, ranks, rank)
+
+
+def runs_as_written(ranks: Ranks) -> str:
+    """Why group ``ranks`` runs its collectives as written from now on ("" while it does not)."""
+    store = _default_store()
+    return "" if store is None else consensus.as_written_detail(store, ranks)
+
+
+def backend() -> str:
+    return dist.get_backend() if dist.is_available() and dist.is_initialized() else ""
+
+
 # ----------------------------------------------------------------------------- the hook
 
 _warned: set[Ranks] = set()

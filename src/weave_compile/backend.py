@@ -155,10 +155,11 @@ def _compile(gm, example_inputs, config: TokenWeaveConfig, passes: Optional[Weav
     compiled = compile_fx(gm, example_inputs,
                           config_patches={**inductor_patches, "post_grad_custom_post_pass": passes})
     if passes.graph_reports:
-        _store_reports(key, passes.graph_reports, passes.comm_plans, passes.written_plans)
+        _store_reports(key, passes.graph_reports, passes.comm_plans, passes.written_plans, passes.measured_digests)
     elif counters["inductor"]["fxgraph_cache_hit"] > hits:
         # The passes did not run: show what they did when this graph was compiled.
-        stored, passes.comm_plans, passes.written_plans = _load_reports(key)
+        stored, passes.comm_plans, passes.written_plans, measured_choices = _load_reports(key)
+        _post_served(measured_choices)
         for payload in stored or []:
             passes.graph_reports.append(report_mod.graph_from_json(
                 "inductor", "served from Inductor's FX graph cache; sites as recorded when it was compiled",
@@ -192,11 +193,21 @@ def _reports_dir() -> str:
     return path
 
 
-def _store_reports(key: str, graphs, plans, written) -> None:
-    """Keep the site reports and the communication plans beside Inductor's cache: a graph it serves
-    from there skips the passes."""
+def _post_served(choices) -> None:
+    """A graph served from the FX graph cache runs the measured choice it was compiled with: peers
+    that measure the same sites now take that answer (``kernels/measured``) instead of waiting."""
+    from weave_compile.kernels import measured
+
+    for ranks, digest, answer in choices:
+        measured.served(agreement.measuring_store(), tuple(ranks), digest, answer)
+
+
+def _store_reports(key: str, graphs, plans, written, measured_choices=()) -> None:
+    """Keep the site reports, the communication plans and the measured choices beside Inductor's
+    cache: a graph it serves from there skips the passes."""
     plans_json = {name: [[[list(r), ops] for r, ops in p.items()] for p in ps]
                   for name, ps in (("fused", plans), ("written", written))}
+    plans_json["measured"] = [[list(r), d, a] for r, d, a in measured_choices]
     for suffix, text in ((".json", report_mod.dumps(graphs)), (".comm.json", json.dumps(plans_json))):
         try:
             fd, tmp = tempfile.mkstemp(dir=_reports_dir())
@@ -208,7 +219,8 @@ def _store_reports(key: str, graphs, plans, written) -> None:
 
 
 def _load_reports(key: str):
-    """(site reports or None, fused plans, as-written plans) recorded by :func:`_store_reports`."""
+    """(site reports or None, fused plans, as-written plans, measured choices) recorded by
+    :func:`_store_reports`."""
     def read(suffix):
         try:
             with open(os.path.join(_reports_dir(), key + suffix)) as f:
@@ -223,7 +235,8 @@ def _load_reports(key: str):
         log.warning("tokenweave: a graph served from Inductor's FX graph cache has no recorded "
                     "communication: the ranks' first-call agreement check is skipped for it")
         fused, written = [], []
-    return reports, fused, written
+    measured_choices = (plans or {}).get("measured", []) if isinstance(plans, dict) else []
+    return reports, fused, written, measured_choices
 
 
 def _aot_eager(gm, example_inputs, passes: Optional[WeavePassManager]):

@@ -52,6 +52,13 @@ class Options(SplitOptions):
     #: which forces it. A forced implementation that cannot run falls back, with the reason in
     #: ``explain()`` (on a GPU to compiled work or the site as written, ``kernels/auto.py``).
     kernel: str = "auto"
+    #: With ``kernel="auto"``: measure, when a graph compiles, every implementation that can run at
+    #: its sites and the sites as written, on this machine and the sites' own process group, and
+    #: take the fastest (a design only where it beats the sites as written by more than the
+    #: timing's spread, at least 2%); one answer for every rank, cached on disk under Inductor's
+    #: cache directory and reused (``kernels/measured``). False: the shipped rules
+    #: (``kernels/auto.py``), which take no design without a measurement across GPUs.
+    autotune: bool = True
     #: Let the ``p2p`` kernel leave its normed output in the symmetric output ring where the
     #: peers pushed it (no copy of their rows), wherever the ``output`` pass proves every reader
     #: runs before the ring slot is written again; elsewhere it is copied out as before, with the

@@ -155,7 +155,7 @@ class _Group:
     def __init__(self, store, ranks: Ranks, me: int, ops: list[str], written: list[str], what: str,
                  strict: bool = False):
         self.root = store
-        self.store = dist.PrefixStore(PREFIX + "-".join(map(str, ranks)) + "/", store)
+        self.store = _group_store(store, ranks)
         self.ranks, self.me, self.what = ranks, me, what
         self.peers = [r for r in ranks if r != me]
         self.ops, self.written = ops, written
@@ -428,3 +428,24 @@ def set_compiling(store, rank: int, on: bool) -> None:
 def _is_compiling(store, rank: int) -> bool:
     key = f"{PREFIX}compiling/{rank}"
     return store.check([key]) and store.get(key) == b"1"
+
+
+def _group_store(store, ranks: Ranks):
+    """The keys of group ``ranks``'s checks."""
+    return dist.PrefixStore(PREFIX + "-".join(map(str, ranks)) + "/", store)
+
+
+def waiting_at(store, ranks: Ranks, rank: int) -> str:
+    """What ``rank`` waits on at a first-call check of group ``ranks`` ("" when it does not)."""
+    group = _group_store(store, ranks)
+    key = f"wait/{rank}"
+    return group.get(key).decode() if group.check([key]) else ""
+
+
+def as_written_detail(store, ranks: Ranks) -> str:
+    """Why group ``ranks`` runs as written (its mode is degraded or failed), or ""."""
+    group = _group_store(store, ranks)
+    if not group.check(["mode"]):
+        return ""
+    state, _, detail = group.get("mode").decode().partition("\n")
+    return (detail or state) if state in (DEGRADED, FAILED) else ""

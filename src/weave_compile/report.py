@@ -92,6 +92,9 @@ class GraphReport:
     merged: list[int] = dataclasses.field(default_factory=list)
     #: all_reduces and reduce_scatters whose result leaves the graph before any RMSNorm (a graph output)
     leaves: list[str] = dataclasses.field(default_factory=list)
+    #: per process group, the measured choice (``kernels/measured``: its source, reason and the
+    #: timings per signature and token count), empty where it did not run
+    measured: list[dict] = dataclasses.field(default_factory=list)
     #: why Dynamo ended this graph before the end of the frame (a graph break), "" if it did not;
     #: :data:`UNKNOWN_BREAK` where Dynamo gave no reason
     graph_break: str = ""
@@ -162,12 +165,34 @@ class WeaveReport:
                              f"({', '.join(g.other_gathers)})")
             if g.split is not None and not g.as_written:
                 lines.append("  " + g.split.describe())
+            for m in g.measured:
+                lines += _measured_lines(m)
             lines += _site_table(header, g.rows())
             if g.graph_break:
                 lines.append(textwrap.fill(f"ends at a graph break: {g.graph_break}", 100, initial_indent="  ",
                                            subsequent_indent="    ", break_long_words=False,
                                            break_on_hyphens=False))
         return "\n".join(lines)
+
+
+def _measured_lines(m: dict) -> list[str]:
+    """One group's measured choice: where the answer came from, the verdict, and every candidate's
+    time (median per call over the ranks' rounds, the largest over the ranks) and spread."""
+    lines = [textwrap.fill(f"measured choice, group {m['group']} ({m['source']}): {m['reason']}", 100,
+                           initial_indent="  ", subsequent_indent="    ", break_long_words=False)]
+    for design, why in sorted(m.get("excluded", {}).items()):
+        lines.append(f"    {design} did not compete: {why}")
+    if m.get("checked"):
+        lines.append(f"    checked: {m['checked']}")
+    rows = m.get("rows", [])
+    if rows:
+        cands = list(dict.fromkeys(c for r in rows for c in r["times"]))
+        table = [["signature", "sites", "T", *cands, "fastest design"]]
+        table += [[r["signature"], str(r["sites"]), str(r["T"]), *(r["times"].get(c, "-") for c in cands), r["best"]]
+                  for r in rows]
+        widths = [max(len(t[i]) for t in table) for i in range(len(table[0]))]
+        lines += ["    " + "  ".join(c.ljust(w) for c, w in zip(t, widths)).rstrip() for t in table]
+    return lines
 
 
 def _count_sites(sites: list[SiteReport]) -> str:
@@ -224,7 +249,7 @@ def _shared_prefix_once(why: str) -> str:
 def graph_to_json(g: GraphReport) -> dict:
     return {"sites": [dataclasses.asdict(s) for s in g.sites], "op_counts": g.op_counts,
             "split": dataclasses.asdict(g.split) if g.split is not None else None, "projections": g.projections,
-            "other_gathers": g.other_gathers, "merged": g.merged, "leaves": g.leaves}
+            "other_gathers": g.other_gathers, "merged": g.merged, "leaves": g.leaves, "measured": g.measured}
 
 
 def graph_from_json(compiler: str, note: str, payload: dict) -> GraphReport:
@@ -237,6 +262,7 @@ def graph_from_json(compiler: str, note: str, payload: dict) -> GraphReport:
     g.projections = payload.get("projections", "")
     g.other_gathers = payload.get("other_gathers", [])
     g.merged, g.leaves = list(payload.get("merged", [])), list(payload.get("leaves", []))
+    g.measured = list(payload.get("measured", []))
     return g
 
 

@@ -25,7 +25,7 @@ def _compile_and_compare(model, inputs_list, compiler, dynamic_dim=None, **optio
 
     weave_compile.reset()
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="tokenweave", options={"compiler": compiler, **options})
+    compiled = torch.compile(model, backend="tokenweave", options={"compiler": compiler, "kernel": "reference", **options})
     errs = []
     with torch.no_grad():
         for inputs in inputs_list:
@@ -290,7 +290,7 @@ def _dynamic_quickstart(rank, world_size, seed):
     for compiler, split in (("aot_eager", False), ("aot_eager", True), ("inductor", False)):
         weave_compile.reset()
         torch._dynamo.reset()
-        opts = {"compiler": compiler, "split": split, "split_threshold": 8}
+        opts = {"compiler": compiler, "kernel": "reference", "split": split, "split_threshold": 8}
         compiled = torch.compile(model, backend="tokenweave", dynamic=True, options=opts)
         with torch.no_grad():
             errs = [rel_err(compiled(t), model(t)) for t in tokens]

@@ -43,7 +43,7 @@ def _run(fn, *inputs, **options):
     from weave_compile.passes.pass_manager import WeavePassManager
 
     gm = make_fx(fn, tracing_mode="fake")(*[torch.randn(s, dtype=d) for s, d in inputs])
-    pm = WeavePassManager(TokenWeaveConfig(**options), compiler="aot_eager")
+    pm = WeavePassManager(TokenWeaveConfig(**{"kernel": "reference", **options}), compiler="aot_eager")
     pm(gm.graph)
     return gm.graph, pm.graph_reports[0]
 

@@ -299,7 +299,8 @@ def test_every_slot_reuse_is_preceded_by_all_readers(extra_reads, via_mm):
 
 def _force_p2p_without_symmetric_memory():
     """Every site chooses ``p2p`` and reserves nothing (no symmetric memory on CPU; on CPU tensors the
-    op then runs the fallback, which ignores ``out_slot``)."""
+    op then runs the fallback, which ignores ``out_slot``): the shipped rules' choice, so the
+    callers compile with ``autotune=False``."""
     import dataclasses
 
     from weave_compile.kernels import auto, registry
@@ -321,7 +322,8 @@ def _tp_llama_outputs(rank, world_size, seed):
     for split in (False, True):
         weave_compile.reset()
         torch._dynamo.reset()
-        opts = {"compiler": "aot_eager", "output_in_place": True, "split": split, "split_threshold": THRESHOLD}
+        opts = {"compiler": "aot_eager", "autotune": False, "output_in_place": True, "split": split,
+                "split_threshold": THRESHOLD}
         with torch.no_grad():
             got, ref = torch.compile(model, backend="tokenweave", options=opts)(ids), model(ids)
         out[split] = ([s.output for s in weave_compile.explain().sites], (got - ref).abs().max().item())
@@ -422,7 +424,8 @@ def _inductor_with_the_ring(rank, world_size, seed, device="cpu"):
         weave_compile.reset()
         torch._dynamo.reset()
         with torch.no_grad():
-            compiled = torch.compile(model, backend="tokenweave", options={"output_in_place": True, **opts})
+            compiled = torch.compile(model, backend="tokenweave", options={"output_in_place": True, "autotune": False,
+                                                                        **opts})
             errs = [(compiled(*inputs) - model(*inputs)).abs().max().item() for _ in range(2)]
         out[name] = (errs, [s.output for s in weave_compile.explain().sites])
     return out

@@ -48,15 +48,15 @@ def no_group(monkeypatch):
 
 
 def test_split_off_does_not_run_the_split_pass(no_group):
-    m = WeavePassManager(TokenWeaveConfig(split=False), compiler="aot_eager")
-    m.merge, m.fuse, m.split = (lambda g: []), (lambda g, split=False: []), _MustNotRun()
+    m = WeavePassManager(TokenWeaveConfig(split=False, kernel="reference"), compiler="aot_eager")
+    m.merge, m.fuse, m.split = (lambda g: []), (lambda g, split=False, chooser=None: []), _MustNotRun()
     m(_graph())
     assert weave_compile.explain().graphs[-1].split.reason == "split disabled by option"
 
 
 def test_shard_residual_off_does_not_run_the_shard_pass(no_group):
-    m = WeavePassManager(TokenWeaveConfig(shard_residual=False, split=False), compiler="aot_eager")
-    m.merge, m.fuse, m.shard = (lambda g: []), (lambda g, split=False: []), _MustNotRun()
+    m = WeavePassManager(TokenWeaveConfig(shard_residual=False, split=False, kernel="reference"), compiler="aot_eager")
+    m.merge, m.fuse, m.shard = (lambda g: []), (lambda g, split=False, chooser=None: []), _MustNotRun()
     m(_graph())
 
 
@@ -71,7 +71,7 @@ def test_an_all_reduce_leaving_the_graph_before_any_norm_is_recorded(no_group):
     var = g.call_function(aten.mean.dim, (g.call_function(aten.pow.Tensor_Scalar, (normed, 2)), [-1], True))
     rstd = g.call_function(aten.rsqrt.default, (g.call_function(aten.add.Tensor, (var, 1e-6)),))
     g.output((g.call_function(aten.mul.Tensor, (cut, 2)), g.call_function(aten.mul.Tensor, (normed, rstd))))
-    m = WeavePassManager(TokenWeaveConfig(split=False), compiler="aot_eager")
-    m.merge, m.fuse = (lambda g: []), (lambda g, split=False: [])
+    m = WeavePassManager(TokenWeaveConfig(split=False, kernel="reference"), compiler="aot_eager")
+    m.merge, m.fuse = (lambda g: []), (lambda g, split=False, chooser=None: [])
     m(g)
     assert weave_compile.explain().graphs[-1].leaves == [cut.args[0].name]

@@ -42,7 +42,7 @@ def _run(rank, world_size, seed):
         torch._dynamo.reset()
         with torch.no_grad():
             ref = m(x, r)
-            got = torch.compile(m, backend="tokenweave", options={"compiler": "aot_eager"})(x, r)
+            got = torch.compile(m, backend="tokenweave", options={"compiler": "aot_eager", "kernel": "reference"})(x, r)
         ref, got = (ref, got) if leak else ((ref,), (got,))
         err = max(((a - b).norm() / b.norm()).item() for a, b in zip(got, ref))
         out[leak] = ([s.residual for s in weave_compile.explain().sites], err)
@@ -85,7 +85,7 @@ def _alternating_groups(rank, world_size, options):
         weave_compile.reset()
         torch._dynamo.reset()
         with torch.no_grad():
-            got = torch.compile(m, backend="tokenweave", options={"compiler": "aot_eager", **opts})(x, r)
+            got = torch.compile(m, backend="tokenweave", options={"compiler": "aot_eager", "kernel": "reference", **opts})(x, r)
         out[bool(opts)] = ((got.double() - ref).abs().max().item(), [s.residual for s in weave_compile.explain().sites])
     return out
 

@@ -51,11 +51,12 @@ def test_nothing_compiled_is_nothing_to_compare():
 
 @pytest.mark.parametrize("dynamic", [False, True])  # True: each norm's eps is a graph input the passes see
 def test_a_graph_the_backend_leaves_as_written_compiles_to_plain_inductors_program(group, monkeypatch,  # noqa: F811
-                                                                                  dynamic):
+                                                                                  dynamic, tmp_path):
     import torch._inductor.config as inductor_config
 
     import weave_compile
-    from weave_compile.kernels import auto
+    from weave_compile.kernels import auto, measured
+    from weave_compile.kernels.measured.timing import Stat
     from weave_compile.testing.models import LlamaDims, TPLlama
 
     d = LlamaDims(hidden=64, heads=4, kv_heads=2, intermediate=128, layers=2, vocab=64)
@@ -81,16 +82,30 @@ def test_a_graph_the_backend_leaves_as_written_compiles_to_plain_inductors_progr
     assert compare(plain, off) in ("same", "same but comments"), inductor_code.diff(plain, off)[:3000]
     assert torch.equal(got, want)
 
-    # The fuse pass itself decides to leave every site (as the GPU policy does where no design is
-    # measured faster): the graph passes through every pass unchanged.
+    # The measured choice keeps every site as written (its timings injected: the site as written
+    # fastest): the graph passes through every pass unchanged, and the compile the measurement made
+    # of the sites as written is not part of the program.
+    measured.set_timer(lambda cand, sig, bucket, rank: Stat(10.0 if cand == measured.AS_WRITTEN else 20.0, 0.0))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    try:
+        kept, got, sites = compiled(backend="tokenweave")
+    finally:
+        measured.set_timer(None)
+        measured.forget()
+    assert sites and not any(s.fused for s in sites), sites
+    assert all("measured (measured now" in s.reason for s in sites), sites[0].reason
+    assert compare(plain, kept) in ("same", "same but comments"), inductor_code.diff(plain, kept)[:3000]
+    assert torch.equal(got, want)
+
+    # The shipped rules leave every site (as the GPU policy does where no design is measured faster).
     monkeypatch.setattr(auto, "choose", lambda requested, site: (auto.AS_WRITTEN, "left by the test"))
-    kept, got, sites = compiled(backend="tokenweave")
+    kept, got, sites = compiled(backend="tokenweave", options={"autotune": False})
     assert sites and not any(s.fused for s in sites), sites
     assert all("left by the test" in s.reason for s in sites), sites[0].reason
     assert compare(plain, kept) in ("same", "same but comments"), inductor_code.diff(plain, kept)[:3000]
     assert torch.equal(got, want)
 
     monkeypatch.undo()  # control: fused sites (reference on CPU) are a different program
-    fused, _, sites = compiled(backend="tokenweave")
+    fused, _, sites = compiled(backend="tokenweave", options={"kernel": "reference"})
     assert sites and all(s.fused for s in sites), sites
     assert compare(plain, fused).startswith("differs: "), compare(plain, fused)

@@ -96,14 +96,21 @@ def choose(requested: str, site: Site) -> tuple[str, str]:
 
 
 def unavailable(impl: Implementation, site: Site) -> Optional[str]:
-    """Why ``impl`` cannot run at ``site`` (None if it can): what it takes, then its own check."""
+    """Why ``impl`` cannot run at ``site`` (None if it can): what it takes, then its own check
+    (which may be collective: a symmetric-memory probe)."""
+    return takes(impl, site) or impl.check(site)
+
+
+def takes(impl: Implementation, site: Site) -> Optional[str]:
+    """Why ``impl`` does not compute the site's form (None if it does): its capability flags alone,
+    never collective."""
     if site.has_scale and not impl.takes_scale:
         takers = [e.name for e in registry.implementations() if e.takes_scale]
         return f"scaled site: only {', '.join(takers)} take a scale"
     if site.eps_on_device and not impl.takes_eps_tensor:
         takers = [e.name for e in registry.implementations() if e.takes_eps_tensor]
         return f"eps is a device tensor: only {', '.join(takers)} read it there (the others read it on the host)"
-    return impl.check(site)
+    return None
 
 
 def verdict(impl: Implementation, site: Site) -> tuple[bool, str]:
@@ -290,6 +297,35 @@ def _auto(site: Site) -> tuple[str, str]:
     if name is not None:
         return name, f"auto: {split_why}{why}{tail}"
     return fallback_choice(site, f"auto: {split_why}{why}{tail}")
+
+
+# ----------------------------------------------------------------------------- a kernel argument
+
+
+def implementation_for(kernel: str, num_tokens: int) -> Implementation:
+    """The implementation that runs a call of ``num_tokens`` tokens for the op's ``kernel`` argument:
+    a registered name, or a table by token count (:mod:`.measured.dispatch`)."""
+    from .measured import dispatch
+
+    return registry.get(dispatch.resolve(kernel, num_tokens))
+
+
+def reservations(kernel: str, site: Site) -> list[tuple[Implementation, Optional[int]]]:
+    """``(implementation, token count to reserve for)`` for every design ``kernel`` can run at
+    ``site``: a plain name for the site's size hint; each design of a table for the top of its
+    token range (the last one for the site's largest count: its bound, else the largest bucket)."""
+    from .measured import dispatch
+    from .measured.signature import MAX_BUCKET_TOKENS
+
+    table = dispatch.decode(kernel)
+    if table is None:
+        return [(registry.get(kernel), site.size_hint)]
+    hi = site.token_range[1] if site.token_range is not None and site.token_range[1] is not None else None
+    last = max(site.size_hint or 0, hi if hi is not None else MAX_BUCKET_TOKENS)
+    tops: dict[str, int] = {}
+    for top, design in table:
+        tops[design] = max(tops.get(design, 0), top if top is not None else last)
+    return [(registry.get(d), t) for d, t in tops.items() if registry.get(d).reserve is not None]
 
 
 # ----------------------------------------------------------------------------- the fallback

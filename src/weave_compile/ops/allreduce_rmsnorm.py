@@ -110,7 +110,8 @@ def _fused(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _call(a: dict[str, Any], beside_compute: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The op on its arguments by name; ``beside_compute``: it runs beside other work (the start op)."""
-    impl = kernels.get(a["kernel"])  # ValueError naming the valid ones
+    # A name, or a table by token count (the measured choice): ValueError naming the valid ones.
+    impl = auto.implementation_for(a["kernel"], num_rows(a["x"]))
     if a["scale"] is not None and not impl.takes_scale:
         raise ValueError(f"weave::allreduce_add_rmsnorm: kernel {impl.name!r} is one of those that take no scale "
                          f"({[e.name for e in kernels.implementations() if not e.takes_scale]})")

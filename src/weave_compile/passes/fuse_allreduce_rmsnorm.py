@@ -27,9 +27,10 @@ now normalized on one rank and broadcast. The graph cannot prove it; TP framewor
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.fx as fx
@@ -133,6 +134,11 @@ def _terms(m: SiteMatch) -> kernels.NormTerms:
     return kernels.NormTerms(bias=dtype(m.bias), weight=dtype(m.norm.weight), mid=m.norm.mid_dtype, scale=scale)
 
 
+#: ``chooser(site name, site) -> (kernel, reason, reserve)``: the design a site gets (or
+#: ``auto.AS_WRITTEN``), why, and whether to reserve its workspace now.
+Chooser = Callable[[str, kernels.Site], tuple[str, str, bool]]
+
+
 class FuseAllReduceRMSNormPass(WeavePass):
     """Rewrite every matchable site, in graph order; returns a report of every all_reduce."""
 
@@ -140,9 +146,10 @@ class FuseAllReduceRMSNormPass(WeavePass):
         self.config = config
         self.matched_count = 0
 
-    def __call__(self, graph: fx.Graph, split: bool = False) -> list[SiteReport]:
+    def __call__(self, graph: fx.Graph, split: bool = False, chooser: Optional[Chooser] = None) -> list[SiteReport]:
         """Fuse every site; ``split``: whether the graph will be split (its decision), which the
-        choice of each site's design depends on."""
+        choice of each site's design depends on; ``chooser``: who chooses each site's design
+        (default: ``auto.choose`` on the configured ``kernel``, then the workspace reserved)."""
         fake_mode = fake_mode_of(graph)
         sites = reducing_sites(graph)
         by_name = {s.node: s for s in sites}
@@ -151,23 +158,28 @@ class FuseAllReduceRMSNormPass(WeavePass):
             try:
                 if group_size(collective_of(node).group_name) == 1:
                     raise NoMatch("group of size 1: nothing to reduce")
-                self._fuse(match_site(node, _same_ranks), site, fake_mode, split)
+                self._fuse(match_site(node, _same_ranks), site, fake_mode, split, chooser or self._choose)
             except NoMatch as e:
                 site.reason = str(e)
                 log.info("tokenweave: %s not fused: %s", node.name, e)
         return sites
 
-    def _fuse(self, m: SiteMatch, site: SiteReport, fake_mode, split: bool) -> None:
+    def _choose(self, name: str, where: kernels.Site) -> tuple[str, str, bool]:
+        kernel, reason = auto.choose(self.config.kernel, where)
+        return kernel, reason, True
+
+    def _fuse(self, m: SiteMatch, site: SiteReport, fake_mode, split: bool, chooser: Chooser) -> None:
         where = site_of(m, self.config, split)
-        kernel, kernel_reason = auto.choose(self.config.kernel, where)
+        kernel, kernel_reason, reserve = chooser(m.collective.node.name, where)
         if kernel == auto.AS_WRITTEN:
             raise NoMatch(f"left as written: {kernel_reason}")
-        impl = kernels.get(kernel)
-        if impl.reserve is not None:
+        if reserve:
             # Allocate now, outside any CUDA-graph pool: run-time allocation would land in the pool
             # of cudagraph trees' warm-up under mode="reduce-overhead" (which rejects live
             # allocations it does not own). Collective: every rank compiles the same graph.
-            impl.reserve(where)
+            for impl, top in auto.reservations(kernel, where):
+                if impl.reserve is not None:
+                    impl.reserve(dataclasses.replace(where, size_hint=top))
         fused = m.replace_with(fake_mode, kernel=kernel, comm_ctas=self.config.comm_ctas)
         fused.meta[SITE_KEY] = m.collective.node.name
         if m.collective.scatters:

@@ -46,6 +46,7 @@ import torch
 import torch.fx as fx
 
 from weave_compile import kernels
+from weave_compile.kernels.measured import dispatch
 from weave_compile.kernels.shared.common import OUT_RING_SLOTS
 from weave_compile.ops import FUSED_OPS, WAIT_OP
 
@@ -239,7 +240,7 @@ class OutputInPlacePass(WeavePass):
             if not allowed:
                 outcome[node] = why_off
                 continue
-            if not kernels.get(args["kernel"]).takes_out_slot:
+            if not all(kernels.get(d).takes_out_slot for d in dispatch.designs(args["kernel"])):
                 outcome[node] = f"copied (kernel {args['kernel']} returns a fresh tensor)"
                 continue
             if "should_fallback" in node.meta or node.meta.get("custom", {}).get("fallback_to_eager"):

@@ -67,6 +67,9 @@ class WeavePassManager(CustomGraphPass):
         self.written_plans: list[dict] = []
         #: what the projection merge did to the Dynamo graph (:meth:`prepare`), for the reports
         self.projections = ""
+        #: per graph's measured choice: (group ranks, digest, answer), for a graph Inductor later
+        #: serves from its FX graph cache (the backend records it beside the reports)
+        self.measured_digests: list[tuple] = []
         self._merged = None
         self.merge = MergeAllReducesPass()
         self.fuse = FuseAllReduceRMSNormPass(config)
@@ -113,18 +116,20 @@ class WeavePassManager(CustomGraphPass):
         before = _count_ops(graph)
         # Only a rewriting run can make ranks' collectives differ; fuse=False is plain Inductor.
         written = agreement.plan(graph) if self.config.fuse else {}
-        merges = self.merge(graph) if self.config.fuse else []
+        if not self.config.fuse:
+            merges, sites, split, residual, output = self._rewrite(graph, SplitDecision(False, "fuse disabled by option"),
+                                                                   None)
+        else:
+            # The split is decided once, here, before the sites' designs are chosen for it.
+            decision = decide(graph, self.config)
+            chooser = None
+            if self.config.autotune and self.config.kernel == auto.registry.AUTO:
+                outcomes = self._measure(graph, decision)
+                chooser = _measured_chooser(self.fuse, outcomes)
+                report.measured = [_measured_report(o, req) for req, o in outcomes]
+            merges, sites, split, residual, output = self._rewrite(graph, decision, chooser)
         report.merged = [len(m.merged) for m in merges]
         report.leaves = _leaving_before_norm(graph)
-        # The split is decided once, here, before the sites' designs are chosen for it.
-        decision = decide(graph, self.config) if self.config.fuse else SplitDecision(False, "fuse disabled by option")
-        if self.config.fuse:
-            sites = annotate_merged(self.fuse(graph, decision.applies), merges)
-        else:
-            sites = reducing_sites(graph, "fuse disabled by option")
-        split = self.split(graph, decision) if self.config.split else SplitSummary(reason=decision.reason)
-        residual = self.shard(graph) if self.config.shard_residual else {}
-        output = self.output(graph, *self._output_allowed())
         graph.lint()
         self.comm_plans.append(agreement.plan(graph) if self.config.fuse else {})
         self.written_plans.append(written)
@@ -140,11 +145,89 @@ class WeavePassManager(CustomGraphPass):
                                     if graph_utils.is_call(n, graph_utils.ALL_GATHER_TARGETS)]
         log.debug("tokenweave: post-pass graph\n%s", graph)
 
+    def _rewrite(self, graph: fx.Graph, decision: SplitDecision, chooser):
+        """merge, fuse (each site's design by ``chooser``; None: the configured ``kernel``), split,
+        shard, output: ``(merges, site reports, split summary, residual labels, output labels)``."""
+        if self.config.fuse:
+            merges = self.merge(graph)
+            sites = annotate_merged(self.fuse(graph, decision.applies, chooser), merges)
+        else:
+            merges, sites = [], reducing_sites(graph, "fuse disabled by option")
+        split = self.split(graph, decision) if self.config.split else SplitSummary(reason=decision.reason)
+        residual = self.shard(graph) if self.config.shard_residual else {}
+        output = self.output(graph, *self._output_allowed())
+        return merges, sites, split, residual, output
+
+    def _measure(self, graph: fx.Graph, decision: SplitDecision) -> list[tuple]:
+        """The measured choice for each group of the graph's sites: ``[(request, outcome)]``."""
+        from weave_compile.kernels import measured
+
+        from . import measured_sites
+
+        fields = dict(options=_measured_options(self.config), compiler=self.compiler, mode=self.config.mode,
+                      timeout_s=self.config.agreement_timeout_s, store=agreement.measuring_store(),
+                      compiling=agreement.is_compiling,
+                      first_call=agreement.waiting_at_first_call, written_competes=not decision.applies,
+                      backend=agreement.backend())
+        # The copy is rewritten by passes of its own: this manager's passes count the real graph only.
+        planning = WeavePassManager(self.config, self.compiler)
+        reqs = measured_sites.requests(graph, lambda g, chooser: planning._rewrite(g, decision, chooser), fields)
+        out = []
+        for req in reqs:
+            # A group whose ranks already disagreed runs as written: its peers may never come to measure.
+            why = agreement.runs_as_written(req.ranks)
+            outcome = (measured.Outcome(None, f"not measured: process group {list(req.ranks)} runs its "
+                                              f"collectives as written: {why}") if why else measured.choose(req))
+            log.info("tokenweave: measured choice for group %s: %s (%s)", list(req.ranks),
+                     outcome.answer.get("reason") if outcome.ok else "none", outcome.source)
+            out.append((req, outcome))
+        self.measured_digests += [(req.ranks, o.digest, o.answer) for req, o in out if o.ok]
+        return out
+
     def uuid(self) -> str:
         # The measured tables auto reads are in the sources, but a benchmark may install others.
+        # The machine's fingerprint: a graph whose choice was measured here is never served from
+        # a shared FX graph cache to another machine.
+        from weave_compile.kernels.measured import cache as measured_cache
+
         parts = [p.uuid() for p in self.passes] + [self.config.cache_key(), base.sources_digest(),
-                                                    auto.tables_digest()]
+                                                    auto.tables_digest(), measured_cache.machine_digest()]
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _measured_options(config: TokenWeaveConfig) -> dict:
+    """The options that shape the op or its timing: part of every measured-choice cache key."""
+    return {k: getattr(config, k) for k in ("comm_ctas", "split", "shard_residual", "output_in_place", "mode",
+                                             "compiler", "fuse")}
+
+
+def _measured_chooser(fuse, outcomes: list[tuple]):
+    """The fuse pass's chooser from the measured outcomes: a site of a group with an answer gets
+    it (every site as written, or its fastest design); any other site the shipped rules, with why
+    the measured choice did not decide."""
+    from weave_compile.kernels import measured
+
+    by_site = {name: (req, o) for req, o in outcomes for name in req.sites}
+
+    def chooser(name: str, where):
+        if name not in by_site:
+            return fuse._choose(name, where)
+        req, o = by_site[name]
+        if not o.ok:
+            kernel, why, reserve = fuse._choose(name, where)
+            return kernel, f"{why} (measured choice: {o.source})", reserve
+        if not o.answer["fused"]:
+            return auto.AS_WRITTEN, f"measured ({o.source}): {o.answer['reason']}", False
+        return o.kernel(req.sites[name]), measured.site_reason(o, req.sites[name]), True
+
+    return chooser
+
+
+def _measured_report(outcome, req) -> dict:
+    """What ``explain()`` shows of one group's measured choice."""
+    from weave_compile.kernels import measured
+
+    return measured.report(outcome, req)
 
 
 def _leaving_before_norm(graph: fx.Graph) -> list[str]:

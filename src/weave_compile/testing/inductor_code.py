@@ -24,7 +24,9 @@ _COMMENT = re.compile(r"^\s*#")
 
 @contextlib.contextmanager
 def captured() -> Iterator[list[str]]:
-    """The output code of each Inductor compile inside the block (a list, filled as they happen).
+    """The output code of each Inductor compile inside the block (a list, filled as they happen),
+    except the sites as written that the measured choice compiles to time them: not the user's
+    program.
 
     Unlike ``torch._inductor.utils.run_and_get_code`` it leaves Dynamo's caches alone, so it can
     wrap the first call of one compiled callable among several live ones."""
@@ -32,8 +34,15 @@ def captured() -> Iterator[list[str]]:
 
     from torch._inductor.graph import GraphLowering
 
+    from weave_compile.kernels.measured.timing import in_measurement
+
     codes: list[str] = []
-    with mock.patch.object(GraphLowering, "save_output_code", codes.append):
+
+    def save(code: str) -> None:
+        if not in_measurement():
+            codes.append(code)
+
+    with mock.patch.object(GraphLowering, "save_output_code", save):
         yield codes
 
 

@@ -1,0 +1,120 @@
+"""What one fused op call is, as far as its time goes: its :class:`Signature`, and the token buckets it is timed at.
+
+Two op calls with the same signature take the same time with any design, so a graph's sites are
+timed once per signature (a Llama's interior sites share one; the first and the last differ in
+their residual's layout). Everything that shapes a call's time is a field: the device, the group's
+ranks, the dtypes, what the op applies besides the sum (bias, weight, scale, the norm's mid cast),
+the residual's layout (sharded in, sharded out: as :mod:`weave_compile.passes.shard_residual`
+leaves it), whether the op runs beside compute (a split half), its CTA budget and the token count:
+static, or symbolic with the range the shape environment bounds it to.
+
+A symbolic token count is timed at power-of-two buckets (:func:`Signature.buckets`), from the
+lowest count the range allows up to its highest or :data:`MAX_BUCKET_TOKENS`, whichever is lower:
+the op then dispatches by the call's token count to the winner of the smallest bucket that holds
+it (above the largest bucket: the largest bucket's winner).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Optional
+
+import torch
+
+#: The largest token bucket a symbolic token count is timed at (a prefill of 16K tokens; the
+#: benchmarks' largest T). Larger calls run the largest bucket's winner.
+MAX_BUCKET_TOKENS = 16384
+
+
+def dtype_name(dtype: Optional[torch.dtype]) -> Optional[str]:
+    return None if dtype is None else str(dtype).replace("torch.", "")
+
+
+def dtype_of(name: Optional[str]) -> Optional[torch.dtype]:
+    return None if name is None else getattr(torch, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """One fused op call's shape of work (module doc). Dtypes are names (``"bfloat16"``); a term
+    the site does not apply is None."""
+
+    device: str  # "cuda" | "cpu"
+    ranks: tuple[int, ...]  # the group's global ranks, in group-rank order
+    hidden: int
+    dtype: str  # x's: the partial sums
+    residual_in: Optional[str]  # the residual input's dtype; None: no residual
+    residual_dtype: str  # the residual output's
+    out_dtype: str
+    mid_dtype: Optional[str] = None
+    bias: Optional[str] = None
+    weight: Optional[str] = None
+    scale: Optional[str] = None
+    weight_offset: float = 0.0
+    eps_on_device: bool = False
+    residual_in_sharded: bool = False
+    residual_out_sharded: bool = False
+    sequence_parallel: bool = False  # the site reduce-scatters the model's own sequence shard
+    split: bool = False  # one half of a split layer: the op runs beside the other half's compute
+    comm_ctas: int = 32
+    out_slot: bool = False  # the op may leave its output in the symmetric output ring
+    tokens: Optional[int] = None  # static token count; None: symbolic
+    token_range: Optional[tuple[int, Optional[int]]] = None  # of a symbolic count, as bounded
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def buckets(self) -> tuple[int, ...]:
+        """The token counts it is timed at: the static count, else powers of two (module doc)."""
+        if self.tokens is not None:
+            return (max(1, self.tokens),)
+        lo, hi = self.token_range or (1, None)
+        lo = max(1, lo)
+        top = MAX_BUCKET_TOKENS if hi is None else max(lo, min(hi, MAX_BUCKET_TOKENS))
+        out, b = [], 1
+        while b < lo:
+            b *= 2
+        out.append(b)
+        while b < top:
+            b *= 2
+            out.append(b)
+        if self.sequence_parallel:  # a reduce-scatter's input holds whole shards: a multiple of N rows
+            n = self.world_size
+            out = sorted({-(-b // n) * n for b in out})
+        return tuple(out)
+
+    def describe(self) -> str:
+        """A short line for ``explain()``."""
+        terms = [t for t, on in (("bias", self.bias), ("scale", self.scale), ("weight", self.weight)) if on]
+        layout = ("res " + ("shard" if self.residual_in_sharded else "full") + "->"
+                  + ("shard" if self.residual_out_sharded else "full")) if self.residual_in else "no residual"
+        t = f"T={self.tokens}" if self.tokens is not None else f"T in {list(self.buckets())}"
+        kind = "sequence-parallel " if self.sequence_parallel else ""
+        return (f"{kind}H={self.hidden} {self.dtype} {t} x{self.world_size} ranks, {layout}"
+                + (f", {'+'.join(terms)}" if terms else "") + (", split half" if self.split else ""))
+
+    def key(self) -> str:
+        """A stable digest of every field."""
+        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:20]
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Signature":
+        d = dict(d)
+        d["ranks"] = tuple(d["ranks"])
+        if d.get("token_range") is not None:
+            d["token_range"] = tuple(d["token_range"])
+        return cls(**d)
+
+
+def bucket_of(buckets: tuple[int, ...], num_tokens: int) -> int:
+    """The bucket a call of ``num_tokens`` tokens falls in: the smallest that holds it, else the largest."""
+    for b in buckets:
+        if num_tokens <= b:
+            return b
+    return buckets[-1]

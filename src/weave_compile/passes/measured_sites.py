@@ -1,0 +1,79 @@
+"""What the measured choice times for a graph: its fused sites as the later passes will leave them.
+
+A site's time depends on the layout the passes after ``fuse`` give it (``shard`` keeps the residual
+sharded between consecutive fused sites, ``split`` runs each half's op beside compute, ``output``
+may leave the normed rows in the ring), and a site left as written breaks its neighbours'
+sharding: so the sites of a graph are measured together, in that layout. :func:`requests` runs
+the passes on a copy of the graph with every site fused by a placeholder (no choice, nothing
+collective), reads every fused op call's :class:`~weave_compile.kernels.measured.Signature` from the
+copy, and returns one :class:`~weave_compile.kernels.measured.Request` per process group. The copy
+is then dropped; the fuse pass on the real graph applies the answer.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Callable, Optional
+
+import torch.fx as fx
+
+from weave_compile.agreement import group_ranks
+from weave_compile.kernels import Site
+from weave_compile.kernels.measured import Request, Signature
+from weave_compile.kernels.measured.signature import dtype_name
+from weave_compile.ops import FUSED_OPS, START_OP
+
+from .fuse_allreduce_rmsnorm import SITE_KEY
+from .graph_utils import is_call, named_args, val
+
+#: The placeholder the copy's sites are fused with: it takes every form and reserves nothing.
+PLACEHOLDER = "reference"
+
+
+def requests(graph: fx.Graph, run_passes: Callable[[fx.Graph, Callable], None], request_fields: dict) -> list[Request]:
+    """One request per group of ``graph``'s sites (module doc). ``run_passes(copy, chooser)`` runs
+    merge, fuse (choosing with ``chooser``), split, shard and output on the copy;
+    ``request_fields`` are the :class:`Request` fields every request shares."""
+    where: dict[str, Site] = {}
+
+    def planner(name: str, site: Site) -> tuple[str, str, bool]:
+        where[name] = site
+        return PLACEHOLDER, "placeholder while planning", False
+
+    dry = copy.deepcopy(graph)
+    run_passes(dry, planner)
+    by_group: dict[tuple, dict[str, list[Signature]]] = {}
+    names: dict[tuple, str] = {}
+    for node in dry.nodes:
+        if not is_call(node, *FUSED_OPS) or SITE_KEY not in node.meta:
+            continue
+        name = node.meta[SITE_KEY]
+        sig = signature_of(node, where[name])
+        by_group.setdefault(sig.ranks, {}).setdefault(name, []).append(sig)
+        names[sig.ranks] = named_args(node)["group_name"]
+    return [Request(group_name=names[ranks], ranks=ranks, sites=sites,
+                    where={n: where[n] for n in sites}, **request_fields)
+            for ranks, sites in sorted(by_group.items())]
+
+
+def signature_of(node: fx.Node, site: Site) -> Signature:
+    """The signature of one fused (or split-half start) op call of the site ``site``."""
+    a = named_args(node)
+    tx = val(a["x"])
+    lead = tx.shape[:-1]
+    static = all(isinstance(d, int) for d in lead)
+    tokens = math.prod(int(d) for d in lead) if static else None
+
+    def dt(n: Optional[fx.Node]):
+        return None if n is None else dtype_name(val(n).dtype)
+
+    return Signature(
+        device=tx.device.type, ranks=group_ranks(a["group_name"]), hidden=int(tx.shape[-1]), dtype=dtype_name(tx.dtype),
+        residual_in=dt(a["residual"]), residual_dtype=dtype_name(a["residual_dtype"]),
+        out_dtype=dtype_name(a["out_dtype"]), mid_dtype=dtype_name(a["mid_dtype"]), bias=dt(a["bias"]),
+        weight=dt(a["weight"]), scale=dt(a["scale"]), weight_offset=float(a["weight_offset"]),
+        eps_on_device=a["eps_tensor"] is not None, residual_in_sharded=bool(a["residual_in_sharded"]),
+        residual_out_sharded=bool(a["residual_out_sharded"]), sequence_parallel=site.sequence_parallel,
+        split=is_call(node, START_OP), comm_ctas=int(a["comm_ctas"]), out_slot=int(a["out_slot"]) >= 0,
+        tokens=tokens, token_range=None if static else site.token_range)

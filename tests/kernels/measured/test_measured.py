@@ -1,0 +1,252 @@
+"""The measured choice end to end on gloo ranks: every rank one answer, a wrong design never chosen,
+a second process served from the cache, a symbolic token count dispatched per bucket, and ranks
+that compile different graphs neither hang nor pair the wrong collectives.
+
+Timings are injected (:func:`weave_compile.kernels.measured.set_timer`) where the test needs a
+given winner: the meeting, the capability checks, the float64 oracle check, the exchange of the
+ranks' statistics and the settling run as always. One test times for real: whatever wins on this
+machine, every rank must take the same answer and the outputs must equal eager.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from weave_compile.testing.models import LlamaDims, TPLlama
+from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
+
+DIMS = LlamaDims(hidden=64, heads=4, kv_heads=2, intermediate=128, layers=2, vocab=64)
+TIMEOUT = 600
+#: calls of the test-registered designs in this process (a rank's)
+CALLS = {"second": 0}
+
+
+def _register(wrong: bool = False) -> None:
+    """Two more CPU designs: ``second`` (the reference under another name: correct) and, with
+    ``wrong``, ``wrong`` (the reference's normed rows plus one: a design with a planted bug)."""
+    from weave_compile.kernels import registry
+    from weave_compile.kernels.reference import reference_impl
+
+    def second(rows, spec):
+        CALLS["second"] += 1
+        return reference_impl(rows, spec)
+
+    def planted(rows, spec):
+        normed, res = reference_impl(rows, spec)
+        return normed + 1, res
+
+    base = registry.get("reference")
+    registry.register(dataclasses.replace(base, name="second", run=second, fallback=False))
+    if wrong:
+        registry.register(dataclasses.replace(base, name="wrong", run=planted, fallback=False))
+
+
+def _timer(table):
+    """An injected timer: ``table(candidate, bucket, group_rank) -> us``."""
+    from weave_compile.kernels.measured.timing import Stat
+
+    return lambda cand, sig, bucket, rank: Stat(float(table(cand, bucket, rank)), 0.0)
+
+
+def _compile_llama(rank, world, options, tokens_list):
+    import weave_compile
+
+    model = TPLlama(DIMS, tp=world, rank=rank, group=dist.group.WORLD, seed=0)
+    compiled = torch.compile(model, backend="tokenweave", options={"compiler": "aot_eager", **options})
+    errs = []
+    with torch.no_grad():
+        for tokens in tokens_list:
+            errs.append((compiled(tokens) - model(tokens)).abs().max().item())
+    report = weave_compile.explain()
+    kernels = [s.kernel for s in report.sites]
+    measured = [m for g in report.graphs for m in g.measured]
+    return {"errs": errs, "kernels": kernels, "fused": report.matched_count, "measured": measured,
+            "reasons": [s.reason for s in report.sites], "text": str(report)}
+
+
+def _tokens(length, seed=0):
+    return torch.randint(0, DIMS.vocab, (1, length), generator=torch.Generator().manual_seed(seed + length))
+
+
+def _real(rank, world):
+    return _compile_llama(rank, world, {}, [_tokens(24)])
+
+
+@pytest.mark.slow
+def test_real_timings_on_cpu_give_one_answer_on_every_rank(tmp_path):
+    runs = assert_ranks_ok(run_ranks(_real, 2, timeout=TIMEOUT, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}))
+    for run in runs:
+        assert max(run["errs"]) < 1e-5, run["text"]
+        [m] = run["measured"]
+        assert m["source"].startswith("measured now") and m["rows"], run["text"]
+        assert {"reference", "as written"} <= set(m["rows"][0]["times"]), m  # both CPU candidates timed
+        assert m["checked"] == "float64 oracle"
+    # the same answer on every rank: what each rank's graph runs, and why
+    assert runs[0]["kernels"] == runs[1]["kernels"] and runs[0]["fused"] == runs[1]["fused"]
+    assert runs[0]["measured"][0]["reason"] == runs[1]["measured"][0]["reason"]
+    assert runs[0]["measured"][0]["rows"] == runs[1]["measured"][0]["rows"]
+
+
+def _skewed(rank, world, fast_rank_wins):
+    """Rank 0 alone would fuse (reference twice as fast); rank 1's reference is slower than the site
+    as written (``fast_rank_wins``: only a little slower than rank 0's, still fast enough)."""
+    from weave_compile.kernels import measured
+
+    def us(cand, bucket, r):
+        if cand == "as written":
+            return 20.0
+        return 10.0 if r == 0 else (12.0 if fast_rank_wins else 30.0)
+
+    measured.set_timer(_timer(us))
+    return _compile_llama(rank, world, {}, [_tokens(16)])
+
+
+@pytest.mark.parametrize("fast_rank_wins", [False, True])
+def test_ranks_whose_timings_disagree_take_one_answer(tmp_path, fast_rank_wins):
+    runs = assert_ranks_ok(run_ranks(_skewed, 2, args=(fast_rank_wins,), timeout=TIMEOUT,
+                                     env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}))
+    for run in runs:
+        assert max(run["errs"]) < 1e-5, run["text"]
+        # settled on the slowest rank: 12 us beats 20 by the margin, 30 does not
+        assert run["fused"] == (5 if fast_rank_wins else 0), run["text"]
+        assert run["measured"][0]["rows"][0]["times"]["reference"].startswith("12.0" if fast_rank_wins else "30.0")
+    assert runs[0]["kernels"] == runs[1]["kernels"]
+    assert runs[0]["measured"][0]["reason"] == runs[1]["measured"][0]["reason"]
+    assert runs[0]["measured"][0]["rows"] == runs[1]["measured"][0]["rows"]
+
+
+def _planted(rank, world):
+    from weave_compile.kernels import measured
+
+    _register(wrong=True)
+    measured.set_timer(_timer(lambda cand, b, r: {"wrong": 1.0, "reference": 10.0, "second": 11.0}.get(cand, 50.0)))
+    return _compile_llama(rank, world, {}, [_tokens(16)])
+
+
+def test_a_design_with_a_wrong_result_never_competes(tmp_path):
+    runs = assert_ranks_ok(run_ranks(_planted, 2, timeout=TIMEOUT, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}))
+    for run in runs:
+        assert max(run["errs"]) < 1e-5, run["text"]
+        assert run["kernels"] == ["reference"] * 5, run["text"]
+        m = run["measured"][0]
+        assert "wrong result on rank" in m["excluded"]["wrong"], m
+        assert "second" not in m["excluded"] and "wrong" not in m["rows"][0]["times"], m
+
+
+def _cached(rank, world, phase):
+    from weave_compile.kernels import measured
+
+    calls = {"n": 0}
+
+    def us(cand, bucket, r):
+        calls["n"] += 1
+        if phase == "second":
+            raise AssertionError("a cached answer must not be timed again")
+        return 5.0 if cand == "reference" else 20.0
+
+    measured.set_timer(_timer(us))
+    out = _compile_llama(rank, world, {}, [_tokens(16)])
+    return {**out, "timed": calls["n"]}
+
+
+def test_a_second_process_reuses_the_cache_without_timing(tmp_path):
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    first = assert_ranks_ok(run_ranks(_cached, 2, args=("first",), timeout=TIMEOUT, env=env))
+    second = assert_ranks_ok(run_ranks(_cached, 2, args=("second",), timeout=TIMEOUT, env=env))
+    for a, b in zip(first, second):
+        assert a["timed"] > 0 and b["timed"] == 0
+        assert a["measured"][0]["source"].startswith("measured now")
+        assert b["measured"][0]["source"] in ("cache of rank 0",), b["measured"][0]
+        assert a["kernels"] == b["kernels"] == ["reference"] * 5 and max(b["errs"]) < 1e-5
+
+
+def _buckets(rank, world):
+    """reference fastest up to 64 tokens, ``second`` above; the site as written slower everywhere."""
+    from weave_compile.kernels import measured
+
+    _register()
+    measured.set_timer(_timer(lambda cand, b, r: 1000.0 if cand == "as written" else
+                              (5.0 if (cand == "reference") == (b <= 64) else 8.0)))
+    lengths = [16, 300, 40, 130]
+    calls = []
+    import weave_compile
+
+    model = TPLlama(DIMS, tp=world, rank=rank, group=dist.group.WORLD, seed=0)
+    compiled = torch.compile(model, backend="tokenweave", options={"compiler": "aot_eager"}, dynamic=False)
+    errs = []
+    with torch.no_grad():
+        for n in lengths:
+            tokens = _tokens(n)
+            torch._dynamo.mark_dynamic(tokens, 1, min=2, max=512)
+            errs.append((compiled(tokens) - model(tokens)).abs().max().item())
+            # counted on a second call: the first length's compile runs the designs for its checks
+            before = CALLS["second"]
+            compiled(tokens)
+            calls.append(CALLS["second"] - before)
+    report = weave_compile.explain()
+    return {"errs": errs, "calls": calls, "kernels": [s.kernel for s in report.sites],
+            "graphs": len(report.graphs), "text": str(report)}
+
+
+def test_a_symbolic_token_count_dispatches_per_bucket(tmp_path):
+    runs = assert_ranks_ok(run_ranks(_buckets, 2, timeout=TIMEOUT, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}))
+    for run in runs:
+        assert run["graphs"] == 1, run["text"]  # one graph serves every length
+        assert run["kernels"] == ["by_tokens:reference<=64,second"] * 5, run["text"]
+        assert max(run["errs"]) < 1e-5, run["text"]
+        # 16 and 40 tokens run the reference, 300 and 130 the second design, at every site
+        assert run["calls"] == [0, 5, 0, 5], run["calls"]
+
+
+class _PrintsOnRank0(TPLlama):
+    """Rank 0 prints between the layers (a graph break there only): the ranks compile different graphs."""
+
+    def forward(self, tokens):
+        residual = self.embed_tokens(tokens)
+        h = self.layers[0].input_norm(residual)
+        for i, layer in enumerate(self.layers):
+            m, residual = layer(h, residual)
+            if i == 0 and dist.get_rank() == 0:
+                print(f"rank 0: {residual.abs().max().item():.3f}")
+            residual = residual + m
+            nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
+            h = nxt(residual)
+        return h
+
+
+def _rank_dependent(rank, world):
+    import weave_compile
+    from weave_compile.kernels import measured
+
+    measured.set_timer(_timer(lambda cand, b, r: 5.0 if cand == "reference" else 20.0))  # fused, were it measured
+    model = _PrintsOnRank0(DIMS, tp=world, rank=rank, group=dist.group.WORLD, seed=0)
+    compiled = torch.compile(model, backend="tokenweave",
+                             options={"compiler": "aot_eager", "agreement_timeout_s": 20.0})
+    errs = []
+    with torch.no_grad():
+        for i in range(2):
+            tokens = _tokens(16, seed=i)
+            errs.append((compiled(tokens) - model(tokens)).abs().max().item())
+    report = weave_compile.explain()
+    return {"errs": errs, "measured": [m for g in report.graphs for m in g.measured], "text": str(report),
+            "as_written": [g.as_written for g in report.graphs]}
+
+
+def test_ranks_that_compile_different_graphs_meet_no_timing_and_stay_correct():
+    seed = random.randrange(2 ** 31)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")  # every collective checked across ranks before it runs
+        runs = assert_ranks_ok(run_ranks(_rank_dependent, 2, timeout=TIMEOUT))
+    for run in runs:
+        assert max(run["errs"]) < 1e-5, (seed, run["text"])
+        # Neither rank waits out a timeout: the rank at a meeting sees its peer at the first call of
+        # another graph; a rank that reaches a meeting later finds the group already runs as written.
+        for m in run["measured"]:
+            assert m["source"].startswith("not measured:") and "compiled different graphs" in m["source"], run["text"]
+    sources = {m["source"].split(":")[1].strip() for run in runs for m in run["measured"]}
+    assert any(s.startswith("the ranks compiled different graphs here") for s in sources), sources

@@ -1,0 +1,53 @@
+"""Signatures: what a fused op call's time depends on, and the token buckets a symbolic count is timed at."""
+
+import pytest
+
+from weave_compile.kernels.measured.signature import MAX_BUCKET_TOKENS, Signature, bucket_of
+
+
+def sig(**kw):
+    base = dict(device="cuda", ranks=(0, 1), hidden=4096, dtype="bfloat16", residual_in="bfloat16",
+                residual_dtype="bfloat16", out_dtype="bfloat16", weight="bfloat16")
+    return Signature(**{**base, **kw})
+
+
+def test_a_static_count_is_its_own_bucket():
+    assert sig(tokens=37).buckets() == (37,)
+    assert sig(tokens=0).buckets() == (1,)
+
+
+@pytest.mark.parametrize("token_range, expected", [
+    ((1, 8), (1, 2, 4, 8)),
+    ((3, 20), (4, 8, 16, 32)),
+    ((2, None), tuple(2 ** i for i in range(1, 15))),
+    ((1, 1 << 20), tuple(2 ** i for i in range(0, 15))),
+])
+def test_a_symbolic_count_is_timed_at_powers_of_two_up_to_its_bound(token_range, expected):
+    got = sig(tokens=None, token_range=token_range).buckets()
+    assert got == expected
+    assert got[-1] <= max(MAX_BUCKET_TOKENS, token_range[0] * 2)
+
+
+def test_sequence_parallel_buckets_hold_whole_shards():
+    got = sig(tokens=None, token_range=(1, 64), ranks=(0, 1, 2), sequence_parallel=True).buckets()
+    assert all(b % 3 == 0 for b in got) and got == tuple(sorted(set(got)))
+
+
+def test_bucket_of_takes_the_smallest_that_holds_the_count():
+    buckets = (1, 2, 4, 8)
+    assert [bucket_of(buckets, t) for t in (1, 2, 3, 5, 8, 9, 1000)] == [1, 2, 4, 8, 8, 8, 8]
+
+
+def test_key_covers_every_field_and_round_trips():
+    a = sig(tokens=64)
+    assert a.key() == sig(tokens=64).key()
+    for change in (dict(tokens=65), dict(residual_out_sharded=True), dict(ranks=(0, 2)), dict(bias="bfloat16"),
+                   dict(comm_ctas=8), dict(split=True), dict(hidden=4097)):
+        assert sig(**{"tokens": 64, **change}).key() != a.key(), change
+    b = sig(tokens=None, token_range=(1, 128))
+    assert Signature.from_json(b.to_json()) == b
+
+
+def test_describe_names_layout_and_terms():
+    text = sig(tokens=16, residual_in_sharded=True, residual_out_sharded=True, bias="bfloat16").describe()
+    assert "H=4096" in text and "T=16" in text and "res shard->shard" in text and "bias" in text
