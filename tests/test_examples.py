@@ -10,9 +10,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(script, *args):
+def _run(script, *args, env=None):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *args],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+                          capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env=None if env is None else {**os.environ, **env})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -75,3 +76,16 @@ def test_hf_tp_example_decode_reports_each_batch_once():
         ("decode", "1", "1", "16"), ("decode", "3", "1", "16")], out
     assert all(float(r["max|diff|"]) < 1e-4 for r in rows), out
     _readable(out)
+
+
+@pytest.mark.slow
+def test_hf_tp_fx_cache_serves_the_second_run_and_its_report_says_so(tmp_path):
+    """``--fx-cache`` (its --help): the second run is served from Inductor's cache, skips the passes,
+    and its report lists the sites recorded at the first run's compile, saying so."""
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    first = _run("hf_tp.py", "--arch", "qwen3", "--fx-cache", env=env).stdout
+    second = _run("hf_tp.py", "--arch", "qwen3", "--fx-cache", env=env).stdout
+    note = "served from Inductor's FX graph cache (sites as first compiled)"
+    assert note not in first and "4 all_reduce site(s), 4 fused" in first, first
+    assert note in second and "4 all_reduce site(s), 4 fused" in second, second
+    _readable(second)

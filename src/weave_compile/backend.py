@@ -193,7 +193,7 @@ def _compile(gm, example_inputs, config: TokenWeaveConfig, passes: Optional[Weav
         stored, passes.comm_plans, passes.written_plans = _load_reports(key)
         for payload in stored or []:
             passes.graph_reports.append(report_mod.graph_from_json(
-                "inductor", "served from Inductor's FX graph cache; sites as recorded when it was compiled",
+                "inductor", "served from Inductor's FX graph cache (sites as first compiled)",
                 payload))
         if not stored:
             passes.graph_reports.append(report_mod.new_graph("inductor", note=(
