@@ -6,7 +6,9 @@
     torchrun --nproc-per-node 2 benchmarks/bench_floor.py --comm nccl --dims 8b   # two GPUs
 
 One GPU, PyTorch's fake process group (``fake_group.init``: backend "fake", world size 2, this
-process is rank 0 and holds rank 0's shard; collectives move nothing), CUDA graphs
+process is rank 0 and holds rank 0's shard; collectives move nothing, and the reduce-scatters and
+all-gathers of forced designs write rank 0's rows into every row of their outputs, so GEMMs read
+real values: ``fake_group.written_collectives``), CUDA graphs
 (``mode="reduce-overhead"``). Models: Hugging Face causal LMs with random weights, sharded by their
 own ``tp_plan`` (``weave_compile.testing.hf``), ``model.model`` called on ``[1, T]`` token ids
 (prefill shape, no cache), ``--layers`` decoder layers at Llama-3-8B or 70B dims. The default

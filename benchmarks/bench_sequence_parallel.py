@@ -3,7 +3,9 @@
 One GPU, PyTorch's fake process group (world size 2, this process is rank 0 and holds rank 0's
 shard): collectives move nothing in either variant, so the ratio is what the fused op costs
 locally against what Inductor makes of the same graph (its fused add+norm kernel on the shard,
-its reduce-scatter and all-gather). Every block boundary of the model is ``reduce_scatter -> +
+its reduce-scatter and all-gather). The reduce-scatters and all-gathers write every row of their
+outputs with rank 0's rows (``fake_group.written_collectives``): the GEMMs after them read real
+values, not what the allocator handed out. Every block boundary of the model is ``reduce_scatter -> +
 residual shard -> RMSNorm -> all_gather`` (docs/sequence_parallel.md)::
 
     python benchmarks/bench_sequence_parallel.py --dims 8b --layers 2 --tokens 1024,2048,4096,8192 --rounds 3
@@ -147,11 +149,9 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
 
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    import fake_group
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
+    dev = fake_group.init(2)  # its reduce-scatters and all-gathers write every row (fake_group.py)
     import weave_compile
     import fake_comm
     from weave_compile.testing.sequence_parallel import expected_sequence_parallel_sites

@@ -38,8 +38,9 @@ One GPU, no peers (PyTorch's fake process group: ``FakeStore``, backend "fake", 
 process is rank 0 and holds rank 0's shard; ``benchmarks/fake_comm.py``):
 
 * ``--fake-comm``: the product's own cost with communication free. The fused op runs the ``ce``
-  design's own program on rank 0's rows with every transfer and flag left out (the add+norm kernel,
-  the local copies), so ``split`` against ``fused`` and ``nocomm`` is what the split itself costs
+  design's own program on rank 0's rows with every transfer into a peer and every flag left out
+  (the add+norm kernel, the copies into rank 0's outputs, the peers' rows from local memory holding
+  real values: fake_comm.py), so ``split`` against ``fused`` and ``nocomm`` is what the split itself costs
   (per-half GEMMs, attention, add+norm kernels, launches, stream joins). Writes
   ``split_fake_<dims>.csv`` / ``.png``.
 * ``--rehearse [--link-gbps 370]``: the whole split rehearsed. Rank 0's ``ce`` program as in
@@ -144,15 +145,14 @@ def build(dims: str, layers: int, comm: bool, dev, merged: bool = False, hf_arch
 
 def setup(fake: bool = False) -> tuple[int, torch.device]:
     """NCCL process group from torchrun's environment, or the fake one of world size 2 on one
-    GPU (``--fake-comm``, ``--rehearse``); this rank's GPU."""
+    GPU (``--fake-comm``, ``--rehearse``; its collectives write every row: fake_group.py); this
+    rank's GPU."""
     if fake:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise SystemExit("--fake-comm / --rehearse run in ONE process on one GPU; do not use torchrun")
-        from torch.testing._internal.distributed.fake_pg import FakeStore
+        import fake_group
 
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-        torch.cuda.set_device(0)
-        return 0, torch.device("cuda", 0)
+        return 0, fake_group.init(2)
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))

@@ -10,13 +10,16 @@ group's own collectives, which the fake group answers without moving data); ever
 the fused op (its dispatch, the split's streams, CUDA graphs) stays the product's.
 
 ``local`` -- the product's own cost, communication free
-    Rank 0's ``ce`` program (``copy_engine.build_program``) without its cross-rank ops (the push to
-    the peers, every flag signal, wait and reset, the pulls of the peers' rows): the add+norm kernel
-    on rank 0's rows, reading N-1 receive slots of the real size from a scratch workspace filled
-    once with finite values, and the local copies of rank 0's rows into the outputs. The peers'
-    rows of the outputs are never written: they hold what the allocator handed out (as the fake
-    group's own collectives leave theirs), which costs nothing per call; no kernel's time depends
-    on their values.
+    Rank 0's ``ce`` program (``copy_engine.build_program``) without what writes into a peer or waits
+    for one (the push to the peers, every flag signal, wait and reset): the add+norm kernel on rank
+    0's rows, reading N-1 receive slots of the real size from a scratch workspace filled once with
+    finite values, and every copy into rank 0's outputs: its own rows, and the peers' rows pulled
+    from their regions of the emulated workspace, filled once with finite values. So every row of
+    the outputs holds real values when the next GEMM reads it: a GEMM's time does depend on them
+    (one H100, bf16 [T x 4096] @ [4096 x 14336]: 0.85x the time on zeros at T=4096, 0.83x on freshly
+    allocated memory), and an unwritten row holds what the allocator handed out, often zeros. The
+    pulls are copy-engine copies here as in production; the data comes from this GPU's memory
+    instead of a peer's (one more local read per row).
 
 ``rehearse`` -- two GPUs on one (world size 2)
     Rank 0's ``ce`` program as in production, and the peer's program emulated in this process on a
@@ -170,9 +173,10 @@ def copy_ranks(ws: ce.CeWorkspace, op: ce.Copy) -> tuple[int, int]:
 
 
 def local_program(ws: ce.CeWorkspace, prog: list) -> list:
-    """``local``: the ops of ``prog`` that touch no peer (the add+norm and the local copies)."""
+    """``local``: the ops of ``prog`` that neither write into a peer nor wait for one (the add+norm
+    and every copy into this rank's memory: its own rows, and the pulls of the peers' rows)."""
     return [op for op in prog if isinstance(op, ce.Norm)
-            or (isinstance(op, ce.Copy) and len(set(copy_ranks(ws, op))) == 1)]
+            or (isinstance(op, ce.Copy) and copy_ranks(ws, op)[1] == ws.rank)]
 
 
 def rehearse_program(ws: ce.CeWorkspace, prog: list, model: Rehearsal, cal: Calibration, *, peer: bool) -> list:
@@ -273,7 +277,8 @@ class FakeComm:
 
     def describe(self) -> str:
         if self.mode == LOCAL:
-            return f"fake_comm local (world size {self.world_size}): ce's add+norm and local copies, no transfer"
+            return (f"fake_comm local (world size {self.world_size}): ce's add+norm and copies into rank 0's "
+                    "outputs (the peers' rows from local regions), no transfer")
         m = self.model
         return (f"fake_comm rehearse: peer emulated, link {m.link_gbps:g} GB/s per direction"
                 f"{f' + {m.link_latency_us:g} us' if m.link_latency_us else ''}, peer add+norm "
@@ -394,11 +399,11 @@ class FakeComm:
         wss = ce.emulated_workspaces(N, capacity, hidden, dtypes, device=device)
         gen = torch.Generator(device=device).manual_seed(0)
         _fill_finite(wss[0].regions[0].recv, gen)  # local: the peers' partials (rehearse: pushed over it)
+        for peer in wss[0].regions[1:]:  # what rank 0 pulls as the peers' rows (local: always; rehearse:
+            _fill_finite(peer.out, gen)  # where the peer's kernel does not run)
+            _fill_finite(peer.res, gen)
         if self.mode == LOCAL:
             return _Slot(wss)
-        peer = wss[1].regions[1]
-        _fill_finite(peer.out, gen)  # what rank 0 pulls as the peer's rows when its kernel does not run
-        _fill_finite(peer.res, gen)
         _, out_dt, res_dt = dtypes
         return _Slot(wss, peer_normed=torch.empty((N * capacity, hidden), dtype=out_dt, device=device),
                      peer_res=torch.empty((N * capacity, hidden), dtype=res_dt, device=device),

@@ -20,7 +20,20 @@ ranks (the CPU gloo tests and the 2-GPU runs do). A residual already sharded int
 only rank 0's rows, so beyond ``ceil(T / N)`` tokens the other rows are not here: the mode raises
 there (batch-1 decode, T = 1, is inside it; so is any site whose residual is not sharded).
 
-Benchmarks only: it swaps a registry entry of the package for the ``with`` block.
+Timings read real rows: :func:`written_collectives` (on from :func:`init`) makes the fake group's
+reduce-scatter and all-gather write every row of their outputs. Left to the fake group they write
+none, so the GEMMs after them read whatever the allocator handed out, often zeros, and a GEMM runs
+faster on zeros than on real values (one H100, bf16 [T x 4096] @ [4096 x 14336]: 0.85x the time at
+T=4096, 0.94x at 1024; freshly allocated memory 0.83-0.93x): a comparison with a variant that reads
+real rows (plain Inductor's all_reduce, which the fake group leaves as its input) was biased by up
+to that much. Written, each collective gives rank 0's view of the fake all_reduce: the reduce-
+scatter this rank's rows of its input (the sum is this rank's partial, as above), the all-gather
+this rank's rows in every rank's place. The cost is a copy of what the real collective writes into
+this GPU's memory (S or N x S rows), timed with the variant; plain Inductor's all_reduce copies its
+input the same way (Inductor clones it before the in-place collective).
+
+Benchmarks only: it swaps a registry entry of the package for the ``with`` block, and registers
+CPU and CUDA kernels for torch's functional collectives while written collectives are on.
 """
 
 from __future__ import annotations
@@ -40,15 +53,21 @@ from weave_compile.kernels.spec import FusedSpec, Rows
 from weave_compile.rows import group_size_rank
 
 GPU_FALLBACK = "nccl"
+#: What :func:`init` keeps entered for the life of the process.
+_PROCESS = contextlib.ExitStack()
 
 
-def init(world_size: int = 2, device: int = 0) -> torch.device:
-    """Rank 0 of a fake process group of ``world_size`` on CUDA device ``device`` (one process)."""
+def init(world_size: int = 2, device: int = 0, written: bool = True) -> torch.device:
+    """Rank 0 of a fake process group of ``world_size`` on CUDA device ``device`` (one process),
+    its collectives written (:func:`written_collectives`) for the rest of the process unless
+    ``written`` is False."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise SystemExit("the fake process group runs in ONE process on one GPU; do not use torchrun")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    if written:
+        _PROCESS.enter_context(written_collectives())
     if torch.cuda.is_available():
         torch.cuda.set_device(device)
         return torch.device("cuda", device)
@@ -94,3 +113,68 @@ def identity_collectives() -> Iterator[None]:
         yield
     finally:
         registry.replace(original)
+
+
+# ----------------------------------------------------------------------------- written collectives
+
+
+def _this_rank(group_name) -> int:
+    """This process's rank in ``group_name`` (a name or a ProcessGroup), which must be a fake group."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name) if isinstance(group_name, str) else group_name
+    if dist.get_backend(group) != "fake":
+        raise RuntimeError(f"fake_group.written_collectives: group {group_name!r} is {dist.get_backend(group)!r}, "
+                           "not a fake process group; leave the block to run real collectives")
+    return dist.get_rank(group)
+
+
+def _gather_into(inp: torch.Tensor, group_size: int, group_name, out: torch.Tensor) -> torch.Tensor:
+    _this_rank(group_name)
+    out.view(group_size, *inp.shape).copy_(inp.unsqueeze(0).expand(group_size, *inp.shape))
+    return out
+
+
+def _scatter_into(inp: torch.Tensor, group_size: int, group_name, out: torch.Tensor) -> torch.Tensor:
+    rows = inp.shape[0] // group_size
+    rank = _this_rank(group_name)
+    out.copy_(inp[rank * rows:(rank + 1) * rows])
+    return out
+
+
+def _all_gather(inp, group_size, group_name):
+    return _gather_into(inp, group_size, group_name, inp.new_empty((group_size * inp.shape[0], *inp.shape[1:])))
+
+
+def _all_gather_out(inp, group_size, group_name, *, out):
+    return _gather_into(inp, group_size, group_name, out)
+
+
+def _reduce_scatter(inp, reduce_op, group_size, group_name):
+    out = inp.new_empty((inp.shape[0] // group_size, *inp.shape[1:]))
+    return _scatter_into(inp, group_size, group_name, out)
+
+
+def _reduce_scatter_out(inp, reduce_op, group_size, group_name, *, out):
+    return _scatter_into(inp, group_size, group_name, out)
+
+
+#: torch's functional collectives (``_c10d_functional``, what compiled graphs and the fused op's
+#: ``nccl`` and ``reference`` call) that the fake group leaves unwritten, and what writes them here.
+WRITTEN = {"all_gather_into_tensor": _all_gather, "all_gather_into_tensor_out": _all_gather_out,
+           "reduce_scatter_tensor": _reduce_scatter, "reduce_scatter_tensor_out": _reduce_scatter_out}
+
+
+@contextlib.contextmanager
+def written_collectives() -> Iterator[None]:
+    """While inside, the fake group's reduce-scatter and all-gather write every row of their outputs
+    (module doc): kernels of their own on the CPU and CUDA dispatch keys, ahead of torch's
+    device-generic one, removed at the end. Only fake groups: another group's collective raises."""
+    lib = torch.library.Library("_c10d_functional", "IMPL")
+    try:
+        for name, fn in WRITTEN.items():
+            for key in ("CPU", "CUDA"):
+                lib.impl(name, fn, key)
+        yield
+    finally:
+        lib._destroy()

@@ -124,7 +124,8 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> dict:
 
     backward_hooks.install(inductor)
 
-    # A graph served from Inductor's caches skips the passes, and the explain report would be empty.
+    # A graph served from Inductor's caches skips the passes (the report then shows what they did
+    # when it was compiled): off unless asked for, so that a run shows this run's passes.
     torch._inductor.config.fx_graph_cache = args.fx_cache
     torch._functorch.config.enable_autograd_cache = args.fx_cache
     cuda = dist.get_backend() == "nccl"
@@ -427,7 +428,9 @@ def _parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="default bfloat16 on GPU, float32 on CPU")
     p.add_argument("--fx-cache", action="store_true",
-                   help="let Inductor serve cached graphs (faster reruns; the explain report then lists no sites)")
+                   help="let Inductor serve cached graphs (faster reruns): a graph served from its cache skips "
+                        "the passes, and the explain report shows the sites recorded when it was compiled, with "
+                        "a note that says so")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
@@ -463,5 +466,8 @@ if __name__ == "__main__":
         from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
 
         print(f"no torchrun: spawning {args.ranks} CPU ranks (gloo)", file=sys.stderr)
-        results = assert_ranks_ok(run_ranks(main, args.ranks, args=(args,), timeout=1800))
+        # The ranks' harness turns Inductor's caches off (its tests want the passes to run): an
+        # environment variable that the config set in main() cannot override, so --fx-cache sets it.
+        cache = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"} if args.fx_cache else {}
+        results = assert_ranks_ok(run_ranks(main, args.ranks, args=(args,), timeout=1800, env=cache))
         _report(results[0], args)

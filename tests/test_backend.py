@@ -32,13 +32,15 @@ def _compile_and_call(options, fullgraph=False):
     ({"comm_ctas": 0}, ValueError, "option 'comm_ctas' must be in [1, 32], got 0"),
     ({"comm_ctas": "8"}, TypeError, "option 'comm_ctas' must be int, got str '8'"),
     ({"split": "yes"}, TypeError, "option 'split' must be bool, got str 'yes'"),
-    ({"comm_cta": 4}, ValueError, "unknown tokenweave option(s) ['comm_cta'] ('comm_cta': did you mean 'comm_ctas'?)"),
+    ({"comm_cta": 4}, TypeError, "unknown tokenweave option(s) ['comm_cta'] ('comm_cta': did you mean 'comm_ctas'?)"),
 ])
 def test_a_bad_dict_raises_the_options_own_error_at_the_first_call(options, error, message, fullgraph):
     """Not Dynamo's BackendCompilerFailed: the ValueError/TypeError Options(...) raises, same message."""
     from weave_compile.config import Options
 
     with pytest.raises(error) as built:
+        Options(**options)  # the keyword form: the same mistake, the same exception type
+    with pytest.raises(error):
         Options.from_options(options)
     with pytest.raises(error) as compiled:
         _compile_and_call(options, fullgraph)
@@ -208,3 +210,25 @@ def test_graph_break_reason_names_the_break_and_where():
                                "in forward) Hint: Enable compiled autograd.")
     gm.compile_subgraph_reason = GraphCompileReason("", [])
     assert graph_break(gm) == ""  # a break without a reason: the report gives the advice
+
+
+def _funcol_site(x):
+    import torch.distributed._functional_collectives as funcol
+
+    y = funcol.all_reduce(x, "sum", "0") + x  # a group by name, as a traced DTensor program carries it
+    return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+@pytest.mark.parametrize("compiler", ["inductor", "aot_eager"])
+def test_a_collective_without_a_process_group_is_named_as_such(compiler):
+    """Not Inductor's "Could not resolve the process group registered under the name 0" (or, with
+    aot_eager, the same at the first call): the caller's missing init_process_group, by name."""
+    from weave_compile.backend import MissingProcessGroupError
+
+    assert not torch.distributed.is_initialized()
+    torch._dynamo.reset()
+    with pytest.raises(MissingProcessGroupError) as e:
+        torch.compile(_funcol_site, backend="tokenweave", options={"compiler": compiler})(torch.randn(4, 8))
+    assert isinstance(e.value, RuntimeError) and not isinstance(e.value, torch._dynamo.exc.BackendCompilerFailed)
+    assert str(e.value).startswith("tokenweave: the model calls all_reduce (process group '0'), but no process "
+                                   "group is initialized: call torch.distributed.init_process_group()"), str(e.value)

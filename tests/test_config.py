@@ -123,7 +123,7 @@ def test_defaults():
 
 
 def test_unknown_key_lists_valid_keys_and_suggests_the_close_one():
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(TypeError) as e:
         Options.from_options({"kernal": "p2p"})
     assert "'kernal'" in str(e.value) and "did you mean 'kernel'?" in str(e.value)
     for key in Options.valid_keys():
@@ -133,8 +133,9 @@ def test_unknown_key_lists_valid_keys_and_suggests_the_close_one():
 def test_unknown_keyword_of_options_gets_the_same_help_as_the_dict_form():
     with pytest.raises(TypeError) as e:
         Options(kernal="p2p")
-    with pytest.raises(ValueError) as from_dict:
+    with pytest.raises(TypeError) as from_dict:
         Options.from_options({"kernal": "p2p"})
+    assert type(e.value) is type(from_dict.value) is TypeError  # one mistake, one exception type
     assert str(e.value) == str(from_dict.value)
     assert "did you mean 'kernel'?" in str(e.value) and "'comm_ctas'" in str(e.value)
     assert Options(kernel="p2p").kernel == "p2p"  # keywords and positions still work

@@ -10,9 +10,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(script, *args):
+def _run(script, *args, env=None):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *args],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+                          capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env=None if env is None else {**os.environ, **env})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -27,12 +28,57 @@ def test_quickstart_on_2_cpu_ranks():
     proc = _run("quickstart.py", "--tokens", "19")
     out = proc.stdout
     assert "spawning 2 CPU ranks" in out
-    # 2 layers: 2 sites each plus the vocab-parallel embedding's all_reduce, all fused.
-    assert "5 all_reduce site(s), 5 fused" in out, out
+    # 2 layers, 2 sites each (after o and after down), all fused.
+    assert "4 all_reduce site(s), 4 fused" in out, out
     diff = float(re.search(r"max \|compiled - eager\| = ([0-9.e+-]+)", out).group(1))
     assert diff < 1e-4, out
+    assert out.rstrip().splitlines()[-1] == _quickstart().ON_GPUS, out  # its last line: what auto does on GPUs
     assert "Warning" not in proc.stderr, proc.stderr
     _readable(out)
+
+
+def _quickstart():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("quickstart", os.path.join(ROOT, "examples", "quickstart.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quickstart_shows_its_megatron_style_model():
+    """The model the quickstart compiles is written in the file a user reads, not imported."""
+    with open(os.path.join(ROOT, "examples", "quickstart.py")) as f:
+        source = f.read()
+    assert "weave_compile.testing.models" not in source and "TPLlama" not in source
+    for code in ("class TPBlock(nn.Module):", "dist.all_reduce(y)", "class TPModel(nn.Module):",
+                 "torch.compile(model, backend=\"tokenweave\")"):
+        assert code in source, code
+
+
+@pytest.mark.parametrize("hidden,tokens", [(128, 19), (4096, 1), (4096, 2048), (8192, 8192)])
+def test_quickstarts_gpu_line_is_what_auto_chooses_on_gpus(hidden, tokens):
+    """The quickstart's line on GPUs is what kernel="auto" chooses for such a site on a GPU where every
+    implementation could run (their capability checks all passing): the site as written."""
+    import dataclasses
+
+    import torch
+
+    from weave_compile.kernels import auto, registry
+    from weave_compile.kernels.registry import Site
+
+    assert "leaves these sites as written" in _quickstart().ON_GPUS
+    site = Site(device=torch.device("cuda", 0), dtype=torch.bfloat16, residual_dtype=torch.bfloat16,
+                out_dtype=torch.bfloat16, hidden=hidden, group_name="0", world_size=2, num_tokens=tokens,
+                size_hint=tokens, residual_in_dtype=torch.bfloat16)
+    originals = [registry.replace(dataclasses.replace(e, check=lambda site: None))
+                 for e in registry.implementations()]
+    try:
+        name, why = auto.choose(registry.AUTO, site)
+    finally:
+        for e in originals:
+            registry.replace(e)
+    assert name == auto.AS_WRITTEN, (name, why)
 
 
 def _results(out):
@@ -75,3 +121,16 @@ def test_hf_tp_example_decode_reports_each_batch_once():
         ("decode", "1", "1", "16"), ("decode", "3", "1", "16")], out
     assert all(float(r["max|diff|"]) < 1e-4 for r in rows), out
     _readable(out)
+
+
+@pytest.mark.slow
+def test_hf_tp_fx_cache_serves_the_second_run_and_its_report_says_so(tmp_path):
+    """``--fx-cache`` (its --help): the second run is served from Inductor's cache, skips the passes,
+    and its report lists the sites recorded at the first run's compile, saying so."""
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    first = _run("hf_tp.py", "--arch", "qwen3", "--fx-cache", env=env).stdout
+    second = _run("hf_tp.py", "--arch", "qwen3", "--fx-cache", env=env).stdout
+    note = "served from Inductor's FX graph cache (sites as first compiled)"
+    assert note not in first and "4 all_reduce site(s), 4 fused" in first, first
+    assert note in second and "4 all_reduce site(s), 4 fused" in second, second
+    _readable(second)

@@ -212,3 +212,13 @@ def test_json_keeps_merges_and_what_leaves_the_graph():
     g.merged, g.leaves = [2], ["all_reduce_1"]
     back = report.graph_from_json("inductor", "", json.loads(report.dumps([g]))[0])
     assert back.merged == [2] and back.leaves == ["all_reduce_1"]
+
+
+def test_explain_before_any_compile_says_nothing_was_compiled_and_how_to_get_a_report():
+    import torch
+
+    report.reset()
+    torch.compile(torch.nn.Linear(4, 4), backend="tokenweave")  # returns at once: compiles at the first call
+    text = str(report.explain())
+    assert text.startswith("tokenweave: 0 graph(s): nothing compiled yet"), text
+    assert "first call: call the\n  compiled model" in text and "0 all_reduce site(s)" not in text, text

@@ -43,6 +43,7 @@ def tokenweave_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
     import weave_compile.ops  # noqa: F401
 
     if not (dist.is_available() and dist.is_initialized()):
+        _no_collectives_without_a_group(gm)
         report_mod.new_graph(config.compiler, note="no process group initialized: passes not run")
         log.info("tokenweave: no process group; compiling with plain %s", config.compiler)
         return _compile(gm, example_inputs, config, None, inductor_patches)
@@ -103,14 +104,15 @@ def _as_written(gm, example_inputs, config: TokenWeaveConfig, inductor_patches: 
     return compile_now
 
 
-class _CallersOptionError(ShortenTraceback):
-    """A bad option given to ``torch.compile`` as a dict, raised past Dynamo as the caller's error.
+class _CallersError(ShortenTraceback):
+    """The caller's mistake found while compiling (a bad option given to ``torch.compile`` as a
+    dict, a collective without a process group), raised past Dynamo as the caller's error.
 
     Dynamo wraps whatever a backend raises in ``BackendCompilerFailed``, a ``RuntimeError`` that
     reads as a compiler bug, except a ``ShortenTraceback``: that one it re-raises as it is, its
     traceback cut to ``first_useful_frame`` (Inductor surfaces ``TritonMissing`` this way). A bad
-    option is the caller's mistake, so it reaches them as the ``ValueError``/``TypeError`` that
-    ``Options(...)`` raises, with the same message.
+    option reaches the caller as the ``ValueError``/``TypeError`` that ``Options(...)`` raises,
+    with the same message.
     """
 
     def __init__(self, message: str, frame) -> None:
@@ -123,16 +125,46 @@ class _CallersOptionError(ShortenTraceback):
         return self.message
 
 
-class OptionValueError(_CallersOptionError, ValueError):
+class OptionValueError(_CallersError, ValueError):
     pass
 
 
-class OptionTypeError(_CallersOptionError, TypeError):
+class OptionTypeError(_CallersError, TypeError):
     pass
+
+
+class MissingProcessGroupError(_CallersError, RuntimeError):
+    """The graph calls a collective, and torch.distributed has no process group to run it on."""
+
+
+def _no_collectives_without_a_group(gm) -> None:
+    """:class:`MissingProcessGroupError` where ``gm`` calls a collective while no process group is
+    initialized: Inductor would fail on it with "Could not resolve the process group registered
+    under the name ...", and the eager graph at its first call. (Where the model passes no group at
+    all, ``funcol.all_reduce(x, "sum", dist.group.WORLD)`` before ``init_process_group``, torch
+    raises "Unsupported group type: <class 'NoneType'>" in the model's own call, before any graph
+    reaches a backend.)"""
+    calls = {}  # op name -> its nodes
+    for n in gm.graph.nodes:
+        name = (getattr(n.target, "_qualified_op_name", None) or getattr(n.target, "_name", "")) \
+            if n.op == "call_function" else ""
+        namespace, _, op = str(name).partition("::")
+        if namespace in ("_c10d_functional", "c10d") and op != "wait_tensor":
+            calls.setdefault(op.split(".")[0], []).append(n)
+    if not calls:
+        return
+    ops = sorted(calls)
+    groups = sorted({a for ns in calls.values() for n in ns for a in n.args
+                     if isinstance(a, str) and a not in ("sum", "avg", "max", "min", "product")})
+    raise MissingProcessGroupError(
+        f"tokenweave: the model calls {', '.join(ops)} (process group {', '.join(map(repr, groups)) or 'unnamed'}), "
+        f"but no process group is initialized: call torch.distributed.init_process_group() on every rank before "
+        f"the compiled model's first call (under torchrun: init_process_group(\"nccl\"))",
+        inspect.currentframe())
 
 
 def _config(options) -> TokenWeaveConfig:
-    """``options`` (None, a dict or an ``Options``) as an ``Options``; see :class:`_CallersOptionError`."""
+    """``options`` (None, a dict or an ``Options``) as an ``Options``; see :class:`_CallersError`."""
     try:
         return TokenWeaveConfig.from_options(options)
     except (ValueError, TypeError) as e:
@@ -162,7 +194,7 @@ def _compile(gm, example_inputs, config: TokenWeaveConfig, passes: Optional[Weav
         _post_served(measured_choices)
         for payload in stored or []:
             passes.graph_reports.append(report_mod.graph_from_json(
-                "inductor", "served from Inductor's FX graph cache; sites as recorded when it was compiled",
+                "inductor", "served from Inductor's FX graph cache (sites as first compiled)",
                 payload))
         if not stored:
             passes.graph_reports.append(report_mod.new_graph("inductor", note=(

@@ -10,7 +10,9 @@ accepts and what was given. Build one to validate options before compiling::
 ``torch.compile`` hands ``options`` to the backend unchanged (it only pops its own keys from a
 dict), so a plain dict works too: the backend turns it into :class:`Options` through
 :meth:`Options.from_options`, which also rejects unknown keys with the list of valid ones (a
-misspelt option must never be silently ignored). A dict is only seen when the first call
+misspelt option must never be silently ignored). An unknown option is a ``TypeError`` either way,
+as Python raises for an unexpected keyword argument: ``Options(kernal=...)`` and
+``{"kernal": ...}`` fail alike. A dict is only seen when the first call
 compiles; ``backend.py`` says how its errors reach the caller.
 """
 
@@ -121,7 +123,7 @@ class Options(SplitOptions):
                             f"{type(options).__name__} {options!r}")
         message = _unknown_keys(options)
         if message:
-            raise ValueError(message)
+            raise TypeError(message)  # as Options(**options) would: an unexpected keyword
         return cls(**options)
 
     def cache_key(self) -> str:
@@ -150,8 +152,8 @@ def _unknown_keys(given) -> str:
 
 def _checked_init(init):
     """``Options(kernal=...)``: the dataclass's own ``TypeError`` names the keyword only; this one
-    says what the dict form says (the close option, every valid one). Still a ``TypeError``, as
-    for any unexpected keyword argument."""
+    says what the dict form says (the close option, every valid one). A ``TypeError``, as for any
+    unexpected keyword argument, and as the dict form raises."""
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
         message = _unknown_keys(kwargs)

@@ -131,6 +131,13 @@ class GraphReport:
         return "ops before->after: " + ", ".join(parts) if parts else ""
 
 
+#: The report before any graph was compiled (or after :func:`reset`): torch.compile returns at once
+#: and compiles at the model's first call, so a report asked for right after it is empty.
+NOTHING_COMPILED = ("tokenweave: 0 graph(s): nothing compiled yet.\n"
+                    "  torch.compile(model, backend=\"tokenweave\") compiles at the model's first call: call the\n"
+                    "  compiled model, then explain() lists each graph and site (weave_compile.reset() forgets them).")
+
+
 @dataclasses.dataclass
 class WeaveReport:
     graphs: list[GraphReport] = dataclasses.field(default_factory=list)
@@ -149,6 +156,8 @@ class WeaveReport:
         return [g for g in self.graphs if g.as_written]
 
     def __str__(self) -> str:
+        if not self.graphs:
+            return NOTHING_COMPILED
         header = ["site", "group", "fused", "form / reason", "kernel", "residual", "split", "output"]
         lines = [f"tokenweave: {len(self.graphs)} graph(s), {_count_sites(self.sites)}, {self.matched_count} fused"]
         for g in self.graphs:

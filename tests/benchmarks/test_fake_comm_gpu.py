@@ -151,6 +151,7 @@ def test_local_rank0_rows_match_float64_eager_and_replayed(sharded, seed):
     static_x = xs[0].clone()
     g, (normed, res_out) = _graph(lambda: fc.run(Rows(static_x, res0, bias, weight), _spec(sharded)))
     recv = next(iter(fc.slots.values())).wss[0].regions[0].recv
+    peer_region = next(iter(fc.slots.values())).wss[0].regions[1]
     S = -(-T // 2)
     for rep in range(3):
         x = _inputs(seed + 1 + rep, T, H, sharded)[0][0]
@@ -165,6 +166,10 @@ def test_local_rank0_rows_match_float64_eager_and_replayed(sharded, seed):
                                            weight, eps=1e-5)
         torch.testing.assert_close(normed[:S].double(), y[:S].double(), **TOL[BF16])
         torch.testing.assert_close(res_out[:S].double(), acc[:S].double(), **TOL[BF16])
+        # The peer's rows: real values pulled from its (local) region, never left unwritten.
+        assert torch.equal(normed[S:], peer_region.out[:T - S])
+        if not sharded:
+            assert torch.equal(res_out[S:], peer_region.res[:T - S])
     assert fc.calls == 2  # the warm-up and the capture; replays run no Python
 
 

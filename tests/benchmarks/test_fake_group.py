@@ -57,3 +57,37 @@ def test_identity_collectives_swaps_the_gpu_fallback_for_the_block():
         assert registry.get("nccl").run is fake_group.identity_run
         assert registry.get("nccl").gpu_fallback and registry.get("nccl").check is before.check
     assert registry.get("nccl") is before
+
+
+def test_written_collectives_write_every_row_and_leave_with_the_block(group, seed):  # noqa: F811
+    """The fake group writes no row of a reduce-scatter's or all-gather's output; GEMMs that read
+    such rows run faster on what the allocator hands out (zeros) than on real values."""
+    from weave_compile.rows import all_gather_rows, reduce_scatter_rows
+
+    g = torch.Generator().manual_seed(seed)
+    shard, full = torch.randn(3, 8, generator=g), torch.randn(6, 8, generator=g)
+    name = "_c10d_functional::all_gather_into_tensor"
+    with fake_group.written_collectives():
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU")
+        assert torch.equal(all_gather_rows(shard, group, 2), torch.cat([shard, shard]))  # rank 0's rows, twice
+        assert torch.equal(reduce_scatter_rows(full, group, 2), full[:3])  # rank 0's rows: its partial is the sum
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU")  # torch's own kernel again
+
+
+@pytest.mark.parametrize("T", [7, 8])
+def test_the_gpu_fallback_on_the_fake_group_returns_real_rows_only(group, seed, T):  # noqa: F811
+    """``nccl`` (reduce-scatter, add+norm, all-gather) under written collectives: rank 0's rows are
+    the site as written for its partials, the peer's rows a copy of them: no row left unwritten."""
+    from weave_compile.kernels import registry
+
+    H = 16
+    g = torch.Generator().manual_seed(seed)
+    x, res, w = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g), torch.randn(H, generator=g)
+    spec = FusedSpec(residual_dtype=torch.float32, out_dtype=torch.float32, eps=1e-6, group_name=group,
+                     residual_in_sharded=False, residual_out_sharded=False)
+    with fake_group.written_collectives():
+        normed, res_out = registry.get("nccl").run(Rows(x, res, None, w), spec)
+    S = math.ceil(T / 2)
+    want_n, want_r = allreduce_add_rmsnorm_ref([x], res, None, w, eps=1e-6)
+    assert rel_err(normed[:S], want_n[:S]) < 1e-5 and rel_err(res_out[:S], want_r[:S]) < 1e-5
+    assert torch.equal(normed[S:], normed[:T - S]) and torch.equal(res_out[S:], res_out[:T - S])

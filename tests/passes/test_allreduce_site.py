@@ -62,3 +62,34 @@ def test_sites_left_alone_say_why(group, form, reason):
     g = _graph(f, 2)
     with pytest.raises(NoMatch, match=reason):
         match_site(_all_reduce(g))
+
+
+_LAYERNORM = "feeds a LayerNorm \\(mean subtracted\\), not an RMSNorm"
+
+
+@pytest.mark.parametrize("form", ["layer_norm_op", "var_mean", "mean_subtracted", "cast_then_var_mean"])
+def test_a_layernorm_after_the_all_reduce_is_named_as_such(group, form):
+    def f(x, res, w, b):
+        h = res + wait(ar_op(x, "sum", group))
+        if form == "layer_norm_op":
+            return torch.nn.functional.layer_norm(h, (H,), w, b)
+        if form == "mean_subtracted":
+            c = h - h.mean(-1, keepdim=True)
+            return c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-5) * w + b
+        r = h.float() if form == "cast_then_var_mean" else h
+        var, mean = torch.var_mean(r, -1, correction=0, keepdim=True)
+        return (r - mean) * torch.rsqrt(var + 1e-5) * w + b
+
+    shapes = [(T, H), (T, H), (H,), (H,)]
+    dtype = torch.bfloat16 if form == "cast_then_var_mean" else torch.float32
+    g = make_fx(f, tracing_mode="fake")(*[torch.randn(s, dtype=dtype) for s in shapes]).graph
+    with pytest.raises(NoMatch, match=_LAYERNORM):
+        match_site(_all_reduce(g))
+
+
+def test_an_rmsnorm_whose_input_is_also_averaged_elsewhere_is_still_matched(group):
+    def f(x, res, w):
+        h = res + wait(ar_op(x, "sum", group))
+        return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)), h.mean(-1)
+
+    assert match_site(_all_reduce(_graph(f, 3))).norm.weight is not None

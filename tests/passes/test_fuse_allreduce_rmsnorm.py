@@ -211,7 +211,7 @@ class Negative(nn.Module):
 NEGATIVES = {
     "avg": "reduce op 'avg'",
     "max": "reduce op 'max'",
-    "layernorm": "no RMSNorm",
+    "layernorm": "feeds a LayerNorm (mean subtracted), not an RMSNorm",
     "other_use": "users",
     "op_between": "aten.tanh",
     "scale_after_residual": "aten.mul",

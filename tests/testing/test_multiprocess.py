@@ -88,3 +88,50 @@ def test_a_compile_in_the_calling_process_keeps_the_ranks_on_the_server():
     # compiles: the ranks started after it must still fork from the server.
     torch.compile(lambda t: t.relu() + 1)(torch.randn(3))
     assert [s[0] for s in assert_ranks_ok(run_ranks(_what_the_rank_sees, 2, timeout=120))] == [True, True]
+
+
+def _how_the_rank_started(rank, world_size):
+    import sys
+
+    preloaded = "torch._inductor.compile_fx" in sys.modules  # the fork server's preload
+    return os.getppid(), preloaded
+
+
+def test_ranks_are_spawned_where_a_gpu_driver_is_present(tmp_path, monkeypatch):
+    """A rank forked from a process that touched the GPU driver cannot initialize CUDA: where a
+    driver's device file exists, ranks are spawned by this process, not forked from the server."""
+    from weave_compile.testing import multiprocess
+
+    driver = tmp_path / "nvidiactl"
+    monkeypatch.setattr(multiprocess, "_GPU_DRIVER_FILES", (str(driver),))
+    assert multiprocess.start_method() == "forkserver"
+    forked = assert_ranks_ok(run_ranks(_how_the_rank_started, 2, timeout=120))
+    assert all(ppid != os.getpid() and preloaded for ppid, preloaded in forked), forked  # the server's children
+
+    driver.touch()
+    assert multiprocess.start_method() == "spawn"
+    spawned = assert_ranks_ok(run_ranks(_how_the_rank_started, 2, timeout=120))
+    assert spawned == [(os.getpid(), False)] * 2, spawned  # ours, a fresh interpreter each
+
+
+def _cuda_in_the_rank(rank, world_size):
+    x = torch.arange(4.0, device="cuda") + rank
+    if dist.get_backend() == "nccl":
+        dist.all_reduce(x)
+    return x.cpu().tolist(), torch.cuda.is_initialized()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_rank_initializes_cuda_after_the_caller_did():
+    """What failed on a GPU machine when ranks forked from the warm server: "Cannot re-initialize
+    CUDA in forked subprocess". The caller has CUDA initialized here too (the GPU tests' own state)."""
+    from weave_compile.testing.multiprocess import start_method
+
+    torch.zeros(1, device="cuda")
+    assert start_method() == "spawn"
+    # NCCL, one rank per GPU (one here), and two gloo ranks sharing the GPU (tests/passes/test_output_in_place.py).
+    assert assert_ranks_ok(run_ranks(_cuda_in_the_rank, 1, backend="nccl", timeout=120)) == [([0.0, 1.0, 2.0, 3.0],
+                                                                                              True)]
+    assert assert_ranks_ok(run_ranks(_cuda_in_the_rank, 2, timeout=120)) == [([0.0, 1.0, 2.0, 3.0], True),
+                                                                              ([1.0, 2.0, 3.0, 4.0], True)]

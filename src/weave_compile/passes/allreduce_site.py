@@ -57,7 +57,7 @@ from .graph_utils import (
     prims,
     val,
 )
-from .rmsnorm_match import NormMatch, match_rmsnorm, scalar_operand
+from .rmsnorm_match import NormMatch, feeds_layernorm, match_rmsnorm, scalar_operand
 from .sequence_parallel import (
     Collective,
     GatherTail,
@@ -73,6 +73,7 @@ from .sequence_parallel import (
 
 _MAX_CHAIN = 16  # views/casts/adds between the all_reduce and the norm; a real model has <= 4
 _MAX_VISITS = 64  # users tried while walking (a node read twice is tried both ways)
+_LAYERNORM = "{kind} result feeds a LayerNorm (mean subtracted), not an RMSNorm: the fused op norms by RMS only"
 
 
 @dataclasses.dataclass
@@ -387,6 +388,8 @@ def _walk(c: Collective, cur: fx.Node, st: _Walk, hidden, budget: list[int], fin
     unfinished = [e for e in failures if isinstance(e, _Unfinished)]
     if unfinished:
         raise unfinished[0]
+    if feeds_layernorm(cur):
+        raise NoMatch(_LAYERNORM.format(kind=c.kind))
     if len(users) == 1:
         raise failures[0]
     uses = ", ".join(str(n.target) for n in users) or "nothing"

@@ -106,6 +106,27 @@ def _strip_weight(node: Any, hidden) -> tuple[Optional[fx.Node], float]:
     return node, offset
 
 
+#: LayerNorm as one op (pre-dispatch and un-decomposed graphs), and the statistic its decomposition
+#: starts with (an RMSNorm takes a mean of squares, never a variance).
+_LAYER_NORM_OPS = frozenset({aten.native_layer_norm.default, aten.layer_norm.default})
+_VARIANCE_OPS = frozenset({aten.var_mean.correction, aten.var_mean.dim, aten.var.correction, aten.var.dim})
+
+
+def feeds_layernorm(v: fx.Node) -> bool:
+    """``v`` is normalized by a LayerNorm (the mean subtracted), not an RMSNorm: a layer_norm op reads
+    it, a variance of it is taken, or ``v - mean(v)`` is computed. Only to name the norm a site has
+    in the reason it is left as written; the fused op computes RMSNorm alone."""
+    for u in v.users:
+        if is_call(u, _LAYER_NORM_OPS) and u.args[0] is v:
+            return True
+        if is_call(u, _VARIANCE_OPS) and u.args[0] is v:
+            return True
+        if (is_call(u, aten.sub.Tensor) and u.args[0] is v and is_call(u.args[1], aten.mean.dim)
+                and u.args[1].args[0] is v):
+            return True
+    return False
+
+
 def match_rmsnorm(v: fx.Node) -> Optional[NormMatch]:
     """An RMSNorm over the last dim of ``v`` computed in float32, or None."""
     tv = val(v)

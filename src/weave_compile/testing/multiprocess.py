@@ -1,7 +1,8 @@
 """Run a function on N ranks in fresh processes, with a hard timeout.
 
-``run_ranks(fn, world_size=2)`` starts one process per rank (forked from a server process that
-imported torch's compile stack once, with the caller's current environment), initializes a
+``run_ranks(fn, world_size=2)`` starts one process per rank (see :func:`start_method`: forked from
+a server process that imported torch's compile stack once where no GPU driver is present, spawned
+where one is), in the caller's current environment, initializes a
 process group (gloo on CPU by default, NCCL with one GPU per rank when asked), calls
 ``fn(rank, world_size, *args)`` and returns one :class:`RankResult` per rank: the value, or the
 exception's traceback. A rank that does not finish before the deadline is killed together with
@@ -57,7 +58,7 @@ def _child(call, rank, world_size, backend, store_path, timeout_s, env, out_q):
         import torch
         import torch.distributed as dist
 
-        # torch was imported by the fork server, before this environment: apply what it read then.
+        # Forked: torch was imported by the server, before this environment: apply what it read then.
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         dist.set_debug_level_from_env()
 
@@ -99,9 +100,46 @@ _PRELOAD = "weave_compile.testing.rank_server"
 _servers: dict[tuple, Any] = {}
 
 
+#: Device files of a GPU driver (NVIDIA, AMD ROCm, WSL): where one exists, a process may touch it.
+_GPU_DRIVER_FILES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+FORK_SERVER, SPAWN = "forkserver", "spawn"
+
+
+def gpu_driver_present() -> bool:
+    """Whether this machine has a GPU driver a process could initialize (a device file exists)."""
+    return any(os.path.exists(f) for f in _GPU_DRIVER_FILES)
+
+
+def start_method() -> str:
+    """How :func:`run_ranks` starts ranks here: ``spawn`` where a GPU driver is present, else
+    ``forkserver`` (forked from the warm server of :mod:`weave_compile.testing.rank_server`).
+
+    CUDA cannot be initialized in a process forked from one that has touched the driver ("Cannot
+    re-initialize CUDA in forked subprocess"), and touching it takes no more than
+    ``torch.cuda.is_available()`` or ``device_count()``, which the server's imports (transformers',
+    Inductor's) may call: nothing proves a fork server clean. A spawned rank starts a fresh
+    interpreter, so any rank may use CUDA; it pays torch's imports itself (seconds), which a
+    machine with GPUs has the cores for. Without a driver no rank can reach CUDA, and forking
+    from the server saves the suite those imports for its hundreds of ranks on two cores."""
+    return SPAWN if gpu_driver_present() else FORK_SERVER
+
+
 def _import_env(env: dict[str, str]) -> tuple:
     return tuple(sorted((k, v) for k, v in env.items()
                         if k.startswith(_IMPORT_ENV_PREFIXES) and k not in _READ_WHEN_USED))
+
+
+@contextlib.contextmanager
+def _in_environment(child_env: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` is ``child_env`` inside: a process started now (or a server) inherits it."""
+    saved_env = dict(os.environ)
+    try:
+        os.environ.clear()
+        os.environ.update(child_env)
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
 
 
 @contextlib.contextmanager
@@ -121,16 +159,13 @@ def _forking_from_server(child_env: dict[str, str]) -> Iterator[None]:
     if server is None:
         server = _servers[key] = forkserver.ForkServer()
         server.set_forkserver_preload([_PRELOAD])
-    saved_env, saved_connect = dict(os.environ), forkserver.connect_to_new_process
+    saved_connect = forkserver.connect_to_new_process
     try:
-        os.environ.clear()
-        os.environ.update(child_env)  # a server starting now inherits it
-        forkserver.connect_to_new_process = server.connect_to_new_process
-        yield
+        with _in_environment(child_env):
+            forkserver.connect_to_new_process = server.connect_to_new_process
+            yield
     finally:
         forkserver.connect_to_new_process = saved_connect
-        os.environ.clear()
-        os.environ.update(saved_env)
 
 
 def run_ranks(
@@ -144,7 +179,8 @@ def run_ranks(
 ) -> list[RankResult]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` rank processes; kill all after ``timeout`` s."""
     child_env = {**os.environ, **_CHILD_ENV, **(env or {})}
-    ctx = mp.get_context("forkserver")
+    method = start_method()
+    ctx = mp.get_context(method)
     call = pickle.dumps((fn, args))
     out_q = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="weave_ranks_") as tmp:
@@ -154,7 +190,7 @@ def run_ranks(
                         daemon=True)
             for r in range(world_size)
         ]
-        with _forking_from_server(child_env):
+        with _forking_from_server(child_env) if method == FORK_SERVER else _in_environment(child_env):
             for p in procs:
                 p.start()
         results = {r: RankResult(rank=r) for r in range(world_size)}

@@ -5,11 +5,10 @@ imports this module. Importing torch's compile stack (Dynamo, AOTAutograd, Induc
 transformers' model machinery, and Inductor's first CPU compile (toolchain and vector-ISA probes,
 code generators), cost each fresh process several seconds of CPU, and the suite starts hundreds
 of ranks on two cores. A server pays that once, started in the environment of the ranks it
-serves (Inductor and Triton read some of it at import), then forgets what it compiled. The
-compile runs only where no GPU driver is present.
+serves (Inductor and Triton read some of it at import), then forgets what it compiled. Ranks
+fork from it only where no GPU driver is present (``multiprocess.start_method``); elsewhere they
+are spawned and this server is not started.
 """
-
-import os
 
 import torch
 import torch._dynamo  # noqa: F401
@@ -30,7 +29,9 @@ except ImportError:
 def _warm_up() -> None:
     """Inductor's first CPU compile, where no GPU driver is present: a compile may query CUDA, and
     ranks must not fork from a process that has touched the driver."""
-    if os.path.exists("/dev/nvidiactl"):
+    from weave_compile.testing.multiprocess import gpu_driver_present
+
+    if gpu_driver_present():
         return
     x = torch.randn(8, 16)
     for backend in ("aot_eager", "inductor"):

@@ -97,3 +97,25 @@ def test_check_hidden_names_the_problem():
     assert "vector width" in probe.check_hidden(4100, [torch.float32, torch.bfloat16])
     assert "dtype" in probe.check_hidden(4096, [torch.float64])
     assert "outside" in probe.check_hidden(16384 + 8, [torch.bfloat16])
+
+
+@requires_triton
+def test_a_fake_process_group_gets_a_short_reason_not_pytorchs_internal_assert():
+    """Under the fake group (one-GPU benchmarks) explain() showed "fn INTERNAL ASSERT FAILED at
+    .../init.cpp:219, please report a bug to PyTorch. Not implemented." as the reason."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        p = probe.probe(dist.group.WORLD.group_name, torch.device("cuda", 0), torch.bfloat16, 4096)
+    finally:
+        dist.destroy_process_group()
+    assert not p.mapped and p.reason == probe.FAKE_GROUP, p.reason
+
+
+def test_an_internal_assert_is_reported_without_its_bug_report_text():
+    e = RuntimeError('fn INTERNAL ASSERT FAILED at "/pytorch/torch/csrc/distributed/c10d/init.cpp":219, please '
+                     'report a bug to PyTorch. Not implemented.')
+    assert probe._short(e) == "PyTorch's setup failed inside (Not implemented)"
+    assert probe._short(ValueError("no P2P\nsecond line")) == "no P2P"

@@ -63,6 +63,33 @@ def _no(reason: str) -> SymmProbe:
     return SymmProbe(False, False, reason)
 
 
+#: Why a fake process group (``init_process_group("fake")``: one process, collectives that move
+#: nothing) gets no symmetric memory. Its store implements no keys, so a rendezvous would fail
+#: inside PyTorch with an internal assert ("... please report a bug to PyTorch. Not implemented.").
+FAKE_GROUP = "the fake process group has no symmetric memory (one process; its collectives move nothing)"
+
+
+def _backend(group_name: str) -> str:
+    """The backend name of the process group ``group_name`` ("" where it cannot be resolved)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        return str(dist.get_backend(_resolve_process_group(group_name)))
+    except Exception:  # noqa: BLE001 - an unresolvable group is probed, and its error reported, as before
+        return ""
+
+
+def _short(e: Exception) -> str:
+    """The first line of ``e``; of a PyTorch internal assert, only what failed, without the text
+    asking to report a bug (the failure is the group's capability, reported as a reason)."""
+    text = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    if "INTERNAL ASSERT FAILED" in text:
+        detail = text.rsplit("please report a bug to PyTorch.", 1)[-1].strip().rstrip(".")
+        return f"PyTorch's setup failed inside ({detail or type(e).__name__})"
+    return text
+
+
 def probe(group_name: str, device, dtype: torch.dtype, hidden: int, *, handle: Any = None) -> SymmProbe:
     """What symmetric memory gives ``group_name`` for rows of ``hidden`` ``dtype`` elements.
 
@@ -81,6 +108,8 @@ def probe(group_name: str, device, dtype: torch.dtype, hidden: int, *, handle: A
 
             if not (dist.is_available() and dist.is_initialized()):
                 return _no("torch.distributed is not initialized")
+            if _backend(group_name) == "fake":
+                return _no(FAKE_GROUP)
             dev = torch.device(device)
             if dev.type != "cuda":
                 return _no(f"device {dev} is not CUDA")
@@ -88,7 +117,7 @@ def probe(group_name: str, device, dtype: torch.dtype, hidden: int, *, handle: A
                 dev = torch.device("cuda", torch.cuda.current_device())
             handle = _probe_handle(group_name, dev)
         except Exception as e:
-            return _no(f"symmetric memory unavailable for group {group_name}: {e}")
+            return _no(f"symmetric memory unavailable for group {group_name}: {_short(e)}")
     world_size = int(getattr(handle, "world_size", 0) or 0)
     if world_size < 1:
         return _no("symmetric-memory handle reports no ranks")
