@@ -196,7 +196,7 @@ def _measured_lines(m: dict) -> list[str]:
     rows = m.get("rows", [])
     if rows:
         cands = list(dict.fromkeys(c for r in rows for c in r["times"]))
-        table = [["signature", "sites", "T", *cands, "fastest design"]]
+        table = [["signature", "sites", "T", *cands, "best fused"]]
         table += [[r["signature"], str(r["sites"]), str(r["T"]), *(r["times"].get(c, "-") for c in cands), r["best"]]
                   for r in rows]
         widths = [max(len(t[i]) for t in table) for i in range(len(table[0]))]
@@ -232,8 +232,11 @@ def _site_table(header: list[str], rows: list[list[str]]) -> list[str]:
             return text
         return f"{why.group(1)} [{notes.setdefault(_shared_prefix_once(why.group(2)), len(notes) + 1)}]"
 
-    lines = (["  same at every site:"] if same else []) + [f"    {header[i].ljust(width)}  {cell(i, rows[0][i])}"
-                                                           for i in same]
+    # a long shared value (a measured reason) wraps at 100 columns under its own start
+    lines = (["  same at every site:"] if same else []) + [
+        textwrap.fill(cell(i, rows[0][i]), 100, initial_indent=f"    {header[i].ljust(width)}  ",
+                      subsequent_indent=" " * (width + 6), break_long_words=False, break_on_hyphens=False)
+        for i in same]
 
     keep = [i for i in range(len(header)) if i not in same]
     table = [[header[i] for i in keep]] + [[cell(i, r[i]) for i in keep] for r in rows]

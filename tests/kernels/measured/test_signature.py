@@ -50,4 +50,5 @@ def test_key_covers_every_field_and_round_trips():
 
 def test_describe_names_layout_and_terms():
     text = sig(tokens=16, residual_in_sharded=True, residual_out_sharded=True, bias="bfloat16").describe()
-    assert "H=4096" in text and "T=16" in text and "res shard->shard" in text and "bias" in text
+    assert "H=4096" in text and "x2" in text and "res shard->shard" in text and "bias" in text, text
+    assert "T=" not in text, text  # T is the measured table's own column, one row per bucket

@@ -378,6 +378,12 @@ def site_reason(outcome: Outcome, sigs: list[Signature]) -> str:
             + (f"; +{more} more buckets" if more > 0 else ""))
 
 
+def _time_cell(median_us: float, spread: float) -> str:
+    """A table cell: the median per call (whole microseconds from 100 us up, where a tenth is
+    below the noise) and its spread."""
+    return f"{median_us:.0f} us ±{spread:.0%}" if median_us >= 100 else f"{median_us:.1f} us ±{spread:.0%}"
+
+
 def report(outcome: Outcome, req: Request) -> dict:
     """One group's measured choice for ``explain()`` (JSON: it is stored with the graph's report)."""
     out = {"group": list(req.ranks), "source": outcome.source, "digest": outcome.digest}
@@ -397,6 +403,6 @@ def report(outcome: Outcome, req: Request) -> dict:
             designs = {c: v for c, v in cells.items() if c != AS_WRITTEN}
             best = min(designs, key=lambda c: designs[c][0]) if designs else "-"
             rows.append({"signature": sig.describe(), "sites": counts[key], "T": b, "best": best,
-                         "times": {c: f"{v[0]:.1f} us ±{v[1]:.0%}" for c, v in cells.items()}})
+                         "times": {c: _time_cell(*v) for c, v in cells.items()}})
     return {**out, "reason": answer["reason"], "rows": rows, "excluded": answer.get("excluded", {}),
             "checked": answer.get("checked", "")}

@@ -91,9 +91,9 @@ class Signature:
         terms = [t for t, on in (("bias", self.bias), ("scale", self.scale), ("weight", self.weight)) if on]
         layout = ("res " + ("shard" if self.residual_in_sharded else "full") + "->"
                   + ("shard" if self.residual_out_sharded else "full")) if self.residual_in else "no residual"
-        t = f"T={self.tokens}" if self.tokens is not None else f"T in {list(self.buckets())}"
         kind = "sequence-parallel " if self.sequence_parallel else ""
-        return (f"{kind}H={self.hidden} {self.dtype} {t} x{self.world_size} ranks, {layout}"
+        # T is the table's own column (a symbolic T has a row per bucket)
+        return (f"{kind}H={self.hidden} {self.dtype} x{self.world_size}, {layout}"
                 + (f", {'+'.join(terms)}" if terms else "") + (", split half" if self.split else ""))
 
     def key(self) -> str:
