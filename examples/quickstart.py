@@ -100,11 +100,14 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> dict:
 
 
 def _parse() -> argparse.Namespace:
+    from weave_compile.config import Options  # (importing it does not pull in Inductor)
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=37, help="tokens in the prompt (default 37)")
     p.add_argument("--hidden", type=int, default=128, help="hidden size (default 128)")
     p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
-    p.add_argument("--kernel", default="auto", help="the fused op's design (default auto: measured)")
+    p.add_argument("--kernel", default="auto", choices=Options.choices("kernel"),
+                   help="the fused op's design (default auto: measured)")
     p.add_argument("--ranks", type=int, default=2, help="CPU ranks when not under torchrun (default 2)")
     return p.parse_args()
 

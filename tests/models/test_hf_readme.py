@@ -85,7 +85,10 @@ def test_snippet_compiles_one_graph_and_decides_every_site_by_measuring(results)
         assert res["sites"] == res["expected"] > 0, res["report"]
         # one answer for the graph's sites, measured on the group: all fused or all as written
         assert res["fused"] in (0, res["sites"]), res["report"]
-        assert "measured choice, group [0, 1] (measured now" in res["report"], res["report"]
+        # measured now, or taken from the disk cache a run before this one left (CI runs this file
+        # under two transformers releases with one Inductor cache directory)
+        assert re.search(r"measured choice, group \[0, 1\] \((measured now|cache of rank \d)", res["report"]), \
+            res["report"]
         assert res["report"] in res["printed"], res["printed"]
     assert len({r["fused"] for r in results}) == 1, [r["report"] for r in results]
 

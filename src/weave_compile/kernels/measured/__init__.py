@@ -381,7 +381,8 @@ def site_reason(outcome: Outcome, sigs: list[Signature]) -> str:
 def _time_cell(median_us: float, spread: float) -> str:
     """A table cell: the median per call (whole microseconds from 100 us up, where a tenth is
     below the noise) and its spread."""
-    return f"{median_us:.0f} us ±{spread:.0%}" if median_us >= 100 else f"{median_us:.1f} us ±{spread:.0%}"
+    digits = 0 if median_us >= 100 else 1
+    return f"{median_us:.{digits}f} us ±{spread:.0%}"
 
 
 def report(outcome: Outcome, req: Request) -> dict:
