@@ -42,8 +42,8 @@ def test_what_each_architecture_times_in_each_phase():
     a = bench_floor.parse([])
     assert bench_floor.variants_for(a, "llama", "impl") == ["default", "nccl", "reference", "ce"]
     assert bench_floor.variants_for(a, "granite", "impl") == ["default", "nccl"]
-    assert bench_floor.variants_for(a, "llama", "auto") == ["default", "auto", "fallback"]
-    assert bench_floor.variants_for(a, "mixtral", "auto") == ["default", "auto"]
+    assert bench_floor.variants_for(a, "llama", "auto") == ["default", "auto", "autotune", "fallback"]
+    assert bench_floor.variants_for(a, "mixtral", "auto") == ["default", "auto", "autotune"]
     a = bench_floor.parse(["--impl-archs", "all", "--fallback-archs", "all"])
     assert bench_floor.variants_for(a, "gemma2", "all") == list(bench_floor.VARIANTS)
     a = bench_floor.parse(["--variants", "default,nccl,auto,inductor_again"])  # the control: beside auto only
@@ -153,6 +153,38 @@ def test_a_smoke_run_on_cpu_writes_every_part(tmp_path):
     assert float(decode["auto"]["ms_per_step"]) > 0
     # nccl cannot run on CPU: its row says that reference ran
     assert decode["nccl"]["kernel"] == "reference" and decode["nccl"]["tokens_equal"] == "True"
+
+
+@pytest.mark.slow
+def test_autotune_variant_and_compile_times_on_cpu(tmp_path):
+    """The autotune variant is the default measured choice (here the CPU candidates against the site
+    as written, on the fake group of one process), timed beside default; ``--compile-time`` writes
+    cold and cached rows for default and autotune, the cached autotune compile served by the
+    measured choice's disk cache. Plumbing only: CPU seconds say nothing of a GPU's."""
+    import subprocess
+
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_floor.py")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, script, "--smoke", "--tokens", "16,64", "--out", str(tmp_path), "--variants",
+                          "default,autotune", "--floor", "committed"], capture_output=True, text=True, timeout=900,
+                         env=env)
+    with open(tmp_path / "floor_smoke.csv") as f:
+        rows = list(csv.DictReader(f))
+    auto = [r for r in rows if r["scope"] == "model" and r["variant"] == "autotune"]
+    assert {r["T"] for r in auto} == {"16", "64"} and all(r["ratio_vs_default"] for r in auto), out.stdout[-3000:]
+    # On CPU only reference competes with the site as written; what ran is one of them.
+    assert all(set(r["kernel"].split("+")) <= {"reference", "as written"} for r in auto), auto
+    out = subprocess.run([sys.executable, script, "--smoke", "--compile-time", "--tokens", "16,64", "--repeats", "1",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=900, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    with open(tmp_path / "floor_smoke.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r["scope"] == "compile"]
+    assert {(r["variant"], r["note"].split(":")[0]) for r in rows} == {
+        (v, s) for v in ("default", "autotune") for s in ("cold", "cached")}, rows
+    assert all(float(r["compile_s"]) > 0 for r in rows)
+    assert all(float(r["ratio_vs_default"]) == 1.0 for r in rows if r["variant"] == "default")
+    assert "autotune cold" in out.stdout and "measured now" in out.stdout, out.stdout[-3000:]
+    assert "autotune cached" in out.stdout and "disk cache" in out.stdout, out.stdout[-3000:]
 
 
 def test_rounds_put_every_variant_in_every_place_once():
