@@ -92,6 +92,50 @@ def test_real_timings_on_cpu_give_one_answer_on_every_rank(tmp_path):
     assert runs[0]["measured"][0]["rows"] == runs[1]["measured"][0]["rows"]
 
 
+def _real_inductor(rank, world):
+    import weave_compile
+
+    model = TPLlama(DIMS, tp=world, rank=rank, group=dist.group.WORLD, seed=0)
+    compiled = torch.compile(model, backend="tokenweave")  # the defaults: Inductor, autotune
+    tokens = _tokens(24)
+    with torch.no_grad():
+        err = (compiled(tokens) - model(tokens)).abs().max().item()
+    report = weave_compile.explain()
+    return {"err": err, "measured": [m for g in report.graphs for m in g.measured], "text": str(report)}
+
+
+@pytest.mark.slow
+def test_the_graphs_inductor_compile_survives_the_nested_compile_of_the_sites_as_written(tmp_path):
+    """The user's path: Inductor compiles the graph, and inside its post-grad passes the measured
+    choice compiles the sites as written with Inductor again (a nested compile). On torch 2.11 the
+    nested compile cleared the outer compile's event stack and the outer compile then raised
+    "No toplevel event active" (one H100); here the whole compile must complete, measured."""
+    runs = assert_ranks_ok(run_ranks(_real_inductor, 2, timeout=TIMEOUT,
+                                     env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}))
+    for run in runs:
+        assert run["err"] < 1e-5, run["text"]
+        [m] = run["measured"]
+        assert m["source"].startswith("measured now") and "as written" in m["rows"][0]["times"], run["text"]
+
+
+def test_a_nested_compile_leaves_the_outer_compiles_events_as_they_were():
+    """What torch 2.11's Dynamo does at the end of a compile (clears the thread's event stack),
+    done inside the measurement's nested-compile context: the outer compile's events are back."""
+    from torch._dynamo.utils import dynamo_timed, get_chromium_event_logger
+
+    from weave_compile.kernels.measured import timing
+
+    events = get_chromium_event_logger()
+    with dynamo_timed("outer_compile"):
+        before = list(events.get_stack())
+        assert before and before[0] == "outer_compile"
+        with timing._outside_outer_compile():
+            events.get_stack().clear()
+            events.get_pt2_compile_substack().clear()
+            events.get_event_data().clear()
+        assert events.get_stack() == before and events.get_outermost_event() == "outer_compile"
+
+
 def _skewed(rank, world, fast_rank_wins):
     """Rank 0 alone would fuse (reference twice as fast); rank 1's reference is slower than the site
     as written (``fast_rank_wins``: only a little slower than rank 0's, still fast enough)."""

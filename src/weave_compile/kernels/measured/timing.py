@@ -255,10 +255,34 @@ def _outside_outer_compile():
 
     _measuring.depth = getattr(_measuring, "depth", 0) + 1
     try:
-        with torch._guards.tracing(None):
+        with torch._guards.tracing(None), _outer_compile_events_kept():
             yield
     finally:
         _measuring.depth -= 1
+
+
+@contextlib.contextmanager
+def _outer_compile_events_kept():
+    """The outer compile's event stack (Dynamo's chromium event log, per thread) as it was before
+    a nested compile. torch 2.11's Dynamo clears that stack when a compile ends, so the nested
+    compile of the site as written left the graph's own compile without its top-level event, and
+    Inductor then raised "No toplevel event active" logging its metrics (seen on one H100, torch
+    2.11, every default compile with Inductor); torch 2.13 restores the depth itself."""
+    try:
+        from torch._dynamo.utils import get_chromium_event_logger
+
+        events = get_chromium_event_logger()
+        saved = (list(events.get_stack()), list(events.get_pt2_compile_substack()), dict(events.get_event_data()))
+    except Exception:  # noqa: BLE001 - another torch's internals: nothing to keep
+        yield
+        return
+    try:
+        yield
+    finally:
+        stack, substack, data = events.get_stack(), events.get_pt2_compile_substack(), events.get_event_data()
+        stack[:], substack[:] = saved[0], saved[1]
+        data.clear()
+        data.update(saved[2])
 
 
 def _reset_code(fn) -> None:
