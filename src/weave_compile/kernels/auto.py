@@ -315,13 +315,13 @@ def reservations(kernel: str, site: Site) -> list[tuple[Implementation, Optional
     ``site``: a plain name for the site's size hint; each design of a table for the top of its
     token range (the last one for the site's largest count: its bound, else the largest bucket)."""
     from .measured import dispatch
-    from .measured.signature import MAX_BUCKET_TOKENS
+    from .measured.signature import max_bucket
 
     table = dispatch.decode(kernel)
     if table is None:
         return [(registry.get(kernel), site.size_hint)]
     hi = site.token_range[1] if site.token_range is not None and site.token_range[1] is not None else None
-    last = max(site.size_hint or 0, hi if hi is not None else MAX_BUCKET_TOKENS)
+    last = max(site.size_hint or 0, hi if hi is not None else max_bucket(site.device.type))
     tops: dict[str, int] = {}
     for top, design in table:
         tops[design] = max(tops.get(design, 0), top if top is not None else last)

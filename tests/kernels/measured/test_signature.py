@@ -28,6 +28,15 @@ def test_a_symbolic_count_is_timed_at_powers_of_two_up_to_its_bound(token_range,
     assert got[-1] <= max(MAX_BUCKET_TOKENS, token_range[0] * 2)
 
 
+def test_cpu_ranks_time_up_to_1k_tokens():
+    from weave_compile.kernels.measured.signature import CPU_MAX_BUCKET_TOKENS
+
+    assert sig(device="cpu", tokens=None, token_range=(1, None)).buckets() == tuple(2 ** i for i in range(11))
+    assert sig(device="cpu", tokens=None, token_range=(1, None)).buckets()[-1] == CPU_MAX_BUCKET_TOKENS
+    assert sig(device="cpu", tokens=None, token_range=(3000, None)).buckets() == (4096,)  # above: its lowest
+    assert sig(device="cpu", tokens=5000).buckets() == (5000,)  # a static count is timed as it is
+
+
 def test_sequence_parallel_buckets_hold_whole_shards():
     got = sig(tokens=None, token_range=(1, 64), ranks=(0, 1, 2), sequence_parallel=True).buckets()
     assert all(b % 3 == 0 for b in got) and got == tuple(sorted(set(got)))

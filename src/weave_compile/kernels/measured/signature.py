@@ -9,7 +9,8 @@ leaves it), whether the op runs beside compute (a split half), its CTA budget an
 static, or symbolic with the range the shape environment bounds it to.
 
 A symbolic token count is timed at power-of-two buckets (:func:`Signature.buckets`), from the
-lowest count the range allows up to its highest or :data:`MAX_BUCKET_TOKENS`, whichever is lower:
+lowest count the range allows up to its highest or :func:`max_bucket` (16K on GPUs, 1K on CPU
+ranks), whichever is lower:
 the op then dispatches by the call's token count to the winner of the smallest bucket that holds
 it (above the largest bucket: the largest bucket's winner).
 """
@@ -23,9 +24,18 @@ from typing import Optional
 
 import torch
 
-#: The largest token bucket a symbolic token count is timed at (a prefill of 16K tokens; the
-#: benchmarks' largest T). Larger calls run the largest bucket's winner.
+#: The largest token bucket a symbolic token count is timed at on a GPU (a prefill of 16K tokens;
+#: the benchmarks' largest T). Larger calls run the largest bucket's winner.
 MAX_BUCKET_TOKENS = 16384
+#: ... on CPU ranks (gloo: tests and dry runs; TP inference is not served there), where one call at
+#: 16K rows takes tens of milliseconds and the buckets above 1K were most of a dynamic graph's
+#: measurement (~6 of ~8 s on 2 gloo ranks, hidden 64).
+CPU_MAX_BUCKET_TOKENS = 1024
+
+
+def max_bucket(device: str) -> int:
+    """The largest bucket a symbolic token count is timed at on ``device`` ("cuda", "cpu")."""
+    return CPU_MAX_BUCKET_TOKENS if device == "cpu" else MAX_BUCKET_TOKENS
 
 
 def dtype_name(dtype: Optional[torch.dtype]) -> Optional[str]:
@@ -73,7 +83,8 @@ class Signature:
             return (max(1, self.tokens),)
         lo, hi = self.token_range or (1, None)
         lo = max(1, lo)
-        top = MAX_BUCKET_TOKENS if hi is None else max(lo, min(hi, MAX_BUCKET_TOKENS))
+        cap = max_bucket(self.device)
+        top = cap if hi is None else max(lo, min(hi, cap))
         out, b = [], 1
         while b < lo:
             b *= 2
