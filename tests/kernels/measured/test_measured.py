@@ -136,6 +136,26 @@ def test_a_nested_compile_leaves_the_outer_compiles_events_as_they_were():
         assert events.get_stack() == before and events.get_outermost_event() == "outer_compile"
 
 
+def test_a_nested_compile_opens_its_own_triton_bundle_and_the_outer_one_is_kept(monkeypatch):
+    """Inductor keeps one Triton bundle open per compile (class state) and asserts at a compile's
+    start that none is open: the nested compile gets none open, the outer compile's is back after."""
+    from torch._inductor.triton_bundler import TritonBundler
+
+    from weave_compile.kernels.measured import timing
+
+    monkeypatch.setattr(TritonBundler, "is_enabled", classmethod(lambda cls: True))
+    TritonBundler.begin_compile()  # the outer compile's bundle
+    try:
+        outer = TritonBundler._entries
+        with timing._outside_outer_compile():
+            TritonBundler.begin_compile()  # asserts no open bundle
+            assert TritonBundler._entries is not outer
+            TritonBundler.end_compile()
+        assert TritonBundler._entries is outer
+    finally:
+        TritonBundler.end_compile()
+
+
 def _skewed(rank, world, fast_rank_wins):
     """Rank 0 alone would fuse (reference twice as fast); rank 1's reference is slower than the site
     as written (``fast_rank_wins``: only a little slower than rank 0's, still fast enough)."""

@@ -143,6 +143,7 @@ def choose(req: Request) -> Outcome:
         return _choose(req)
     except Exception as e:  # noqa: BLE001 - the compile goes on under the shipped rules
         log.warning("tokenweave: the measured choice failed, the shipped rules apply: %s: %s", type(e).__name__, e)
+        log.debug("tokenweave: where the measured choice failed", exc_info=True)
         return Outcome(None, f"not measured: {type(e).__name__}: {e}")
 
 

@@ -255,34 +255,49 @@ def _outside_outer_compile():
 
     _measuring.depth = getattr(_measuring, "depth", 0) + 1
     try:
-        with torch._guards.tracing(None), _outer_compile_events_kept():
+        with torch._guards.tracing(None), _outer_compile_state_kept():
             yield
     finally:
         _measuring.depth -= 1
 
 
 @contextlib.contextmanager
-def _outer_compile_events_kept():
-    """The outer compile's event stack (Dynamo's chromium event log, per thread) as it was before
-    a nested compile. torch 2.11's Dynamo clears that stack when a compile ends, so the nested
-    compile of the site as written left the graph's own compile without its top-level event, and
-    Inductor then raised "No toplevel event active" logging its metrics (seen on one H100, torch
-    2.11, every default compile with Inductor); torch 2.13 restores the depth itself."""
+def _outer_compile_state_kept():
+    """The outer compile's process-wide compile state as it was before a nested compile, and out
+    of the nested compile's way. Two pieces, both seen on one H100 under torch 2.11 (every default
+    compile with Inductor): Dynamo's chromium event stack (per thread), which torch 2.11 clears
+    when a compile ends, so the graph's own compile then raised "No toplevel event active" logging
+    its metrics (torch 2.13 restores the depth itself); and Inductor's Triton bundle (class state
+    of ``TritonBundler``, open for the whole outer compile), whose ``begin_compile`` asserts that no
+    bundle is open, so the nested compile raised ``AssertionError`` and nothing was measured."""
     try:
         from torch._dynamo.utils import get_chromium_event_logger
 
         events = get_chromium_event_logger()
         saved = (list(events.get_stack()), list(events.get_pt2_compile_substack()), dict(events.get_event_data()))
     except Exception:  # noqa: BLE001 - another torch's internals: nothing to keep
-        yield
-        return
+        events = saved = None
+    try:
+        from torch._inductor.triton_bundler import TritonBundler
+    except ImportError:
+        TritonBundler = None
+    bundle = {k: getattr(TritonBundler, k) for k in _BUNDLE_STATE if hasattr(TritonBundler, k)} if TritonBundler else {}
+    for k in bundle:
+        setattr(TritonBundler, k, None)
     try:
         yield
     finally:
-        stack, substack, data = events.get_stack(), events.get_pt2_compile_substack(), events.get_event_data()
-        stack[:], substack[:] = saved[0], saved[1]
-        data.clear()
-        data.update(saved[2])
+        for k, v in bundle.items():
+            setattr(TritonBundler, k, v)
+        if events is not None:
+            stack, substack, data = events.get_stack(), events.get_pt2_compile_substack(), events.get_event_data()
+            stack[:], substack[:] = saved[0], saved[1]
+            data.clear()
+            data.update(saved[2])
+
+
+#: ``TritonBundler``'s class attributes that hold an open bundle (None when none is open).
+_BUNDLE_STATE = ("_entries", "_static_autotuners", "_winners")
 
 
 def _reset_code(fn) -> None:
