@@ -263,7 +263,7 @@ class Run:
         self.meta = dict(run_meta(dev if dev.type == "cuda" else None), comm=args.comm,
                          world_size=dist.get_world_size())
         self.rank = dist.get_rank()
-        self.path = os.path.join(args.out, "floor_smoke.csv" if args.smoke else "floor.csv")
+        self.path = os.path.join(args.out, args.csv or ("floor_smoke.csv" if args.smoke else "floor.csv"))
         self.pkg = os.path.dirname(weave_compile.__file__)
         self._hash: dict[str, str] = {}
 
@@ -961,6 +961,8 @@ def parse(argv=None):
     ap.add_argument("--stop-on-error", dest="keep_going", action="store_false")
     ap.add_argument("--watchdog-s", type=float, default=420.0, help="end the run when one T of one arch takes longer")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--csv", default="", help="the CSV's file name in --out (default floor.csv; floor_smoke.csv "
+                    "with --smoke); the PNG takes its name")
     args = ap.parse_args(argv)
     defaults = dict(dims="8b,70b", archs=",".join(ARCHS), tokens=",".join(map(str, TOKENS)), layers=2, rounds=0,
                     iters=5, repeats=3, decode_tokens=40)

@@ -175,9 +175,10 @@ def test_autotune_variant_and_compile_times_on_cpu(tmp_path):
     # On CPU only reference competes with the site as written; what ran is one of them.
     assert all(set(r["kernel"].split("+")) <= {"reference", "as written"} for r in auto), auto
     out = subprocess.run([sys.executable, script, "--smoke", "--compile-time", "--tokens", "16,64", "--repeats", "1",
-                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=900, env=env)
+                          "--out", str(tmp_path), "--csv", "compile.csv"], capture_output=True, text=True, timeout=900,
+                         env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    with open(tmp_path / "floor_smoke.csv") as f:
+    with open(tmp_path / "compile.csv") as f:
         rows = [r for r in csv.DictReader(f) if r["scope"] == "compile"]
     assert {(r["variant"], r["note"].split(":")[0]) for r in rows} == {
         (v, s) for v in ("default", "autotune") for s in ("cold", "cached")}, rows
