@@ -33,8 +33,8 @@ written) on the same model in the same rounds:
 * ``autotune``    ``kernel="auto"`` with the defaults (``autotune=True``): what a user gets. At compile
   time the graph's sites are timed on this GPU, ``nccl`` against the site as written, per token
   bucket (``kernels/measured``; on the fake group the symmetric-memory designs cannot run and the
-  oracle check is skipped: its collectives move nothing). Its measured cache lives in a fresh
-  directory per run (the run's own choice, never an earlier run's).
+  oracle check is skipped: its collectives move nothing). A choice cached under Inductor's cache
+  directory by an earlier run is reused (``--compile-time`` starts from empty caches).
 * ``fallback``    ``kernel="multimem"`` forced where it cannot run (no multicast here): the GPU
   fallback of a forced design, the same choice as ``auto`` here (``--fallback-archs``, default llama).
 * ``inductor_again`` (only where ``--variants`` names it) plain Inductor compiled a second time
@@ -75,10 +75,10 @@ drifts during a run); ``spread``: (max - min) / median of the variant's times ov
 
 ``--compile-time`` (with ``--dims``): the first compile of Llama at those dims, ``default`` against
 ``autotune``, compiled and run at the first T above 1 of ``--tokens`` marked dynamic over the
-others (as the model rows compile), each ``--repeats`` times **cold** (a fresh Inductor cache
-directory: Inductor, Triton and the measured choice start empty) and then **cached** (Dynamo
-reset, the same directory: Inductor's FX graph cache and the measured choice's disk cache serve
-it); rows of scope ``compile``, seconds of the first call (compile, recording, one replay) in
+others (as the model rows compile), each ``--repeats`` times (the two alternate going first)
+**cold** (a fresh Inductor cache directory and Inductor's in-memory caches emptied: Inductor,
+Triton and the measured choice start empty) and then **cached** (Dynamo reset, the same
+directory: Inductor's FX graph cache and the measured choice's disk cache serve it); rows of scope ``compile``, seconds of the first call (compile, recording, one replay) in
 ``compile_s`` and the ratio to default's median in ``ratio_vs_default``. Targets (issue 44): cold
 at most 1.3x, cached at most 1.05x.
 
@@ -120,6 +120,7 @@ import faulthandler
 import logging
 import math
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -562,9 +563,15 @@ def measure(run: Run, arch: str, dims: str, variants: list[str], tokens: list[in
 
 def fresh_inductor_cache(tag: str) -> str:
     """A new empty Inductor cache directory (Inductor's FX graph and kernel caches, Triton's, the
-    measured choice's: all live under it) for what compiles next in this process."""
+    measured choice's: all live under it) for what compiles next in this process, and Inductor's
+    in-memory caches emptied (compiled Triton kernels and Python modules by source: a variant
+    compiled after another would otherwise load the kernels they share from memory)."""
     import tempfile
 
+    from torch._inductor import utils as inductor_utils
+
+    clear = getattr(inductor_utils, "clear_caches", None) or getattr(inductor_utils, "clear_inductor_caches")
+    clear()
     path = tempfile.mkdtemp(prefix=f"floor_{tag}_")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
     os.environ["TRITON_CACHE_DIR"] = os.path.join(path, "triton")
@@ -596,9 +603,9 @@ def compile_time(run: Run, dims: str) -> None:
     x = token_ids(t, lm.config.vocab_size, run.dev)
     seconds: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
     labels: dict[str, str] = {}
-    for _ in range(args.repeats):
-        for v in ("default", "autotune"):
-            fresh_inductor_cache(v)
+    for r in range(args.repeats):
+        for v in ("default", "autotune") if r % 2 == 0 else ("autotune", "default"):  # each goes first in turn
+            path = fresh_inductor_cache(v)
             for state in ("cold", "cached"):
                 forget_compiles()
                 c = compile_variant(run, lm, v)
@@ -611,6 +618,9 @@ def compile_time(run: Run, dims: str) -> None:
                 if v == "autotune" and run.rank == 0:
                     sources = sorted({m["source"] for g in weave_compile.explain().graphs for m in g.measured})
                     print(f"   autotune {state}: {seconds[(v, state)][-1]:.1f} s; {sources}", flush=True)
+            del c
+            forget_compiles()
+            shutil.rmtree(path, ignore_errors=True)
     for state in ("cold", "cached"):
         base = statistics.median(seconds[("default", state)])
         for v in ("default", "autotune"):

@@ -168,6 +168,7 @@ def test_autotune_variant_and_compile_times_on_cpu(tmp_path):
     out = subprocess.run([sys.executable, script, "--smoke", "--tokens", "16,64", "--out", str(tmp_path), "--variants",
                           "default,autotune", "--floor", "committed"], capture_output=True, text=True, timeout=900,
                          env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     with open(tmp_path / "floor_smoke.csv") as f:
         rows = list(csv.DictReader(f))
     auto = [r for r in rows if r["scope"] == "model" and r["variant"] == "autotune"]

@@ -228,9 +228,19 @@ def written_runner(sig: Signature, group_name: str, compiler: str, mode: str) ->
         residual = inp.residual if sig.sequence_parallel else inp.residual_full
         args = (inp.x, residual, inp.bias, inp.weight, inp.scale, inp.eps_tensor)
 
+        compiled_here = [False]
+
         def call():
-            with _outside_outer_compile():
-                return compiled(*args)
+            # The first call compiles (a nested compile: inside the context that keeps the outer
+            # compile's state, ~0.4 ms of host work a call on this 2-core machine); later calls on
+            # these same tensors reuse that code (no guard can fail) and are timed bare, as the
+            # fused op's calls are, so the site as written pays nothing the designs do not.
+            if not compiled_here[0]:
+                with _outside_outer_compile():
+                    out = compiled(*args)
+                compiled_here[0] = True
+                return out
+            return compiled(*args)
 
         return call
 
