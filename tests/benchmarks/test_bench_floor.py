@@ -165,9 +165,10 @@ def test_autotune_variant_and_compile_times_on_cpu(tmp_path):
 
     script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_floor.py")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run([sys.executable, script, "--smoke", "--tokens", "16,64", "--out", str(tmp_path), "--variants",
-                          "default,autotune", "--floor", "committed"], capture_output=True, text=True, timeout=900,
-                         env=env)
+    small = ["--dims", "smoke", "--archs", "llama", "--layers", "1", "--rounds", "1", "--iters", "2", "--repeats", "1",
+             "--tokens", "16,64", "--out", str(tmp_path)]  # --smoke's sizes without its decode and ops parts
+    out = subprocess.run([sys.executable, script, *small, "--variants", "default,autotune", "--floor", "committed",
+                          "--csv", "floor_smoke.csv"], capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     with open(tmp_path / "floor_smoke.csv") as f:
         rows = list(csv.DictReader(f))
@@ -175,9 +176,8 @@ def test_autotune_variant_and_compile_times_on_cpu(tmp_path):
     assert {r["T"] for r in auto} == {"16", "64"} and all(r["ratio_vs_default"] for r in auto), out.stdout[-3000:]
     # On CPU only reference competes with the site as written; what ran is one of them.
     assert all(set(r["kernel"].split("+")) <= {"reference", "as written"} for r in auto), auto
-    out = subprocess.run([sys.executable, script, "--smoke", "--compile-time", "--tokens", "16,64", "--repeats", "1",
-                          "--out", str(tmp_path), "--csv", "compile.csv"], capture_output=True, text=True, timeout=900,
-                         env=env)
+    out = subprocess.run([sys.executable, script, *small, "--compile-time", "--csv", "compile.csv"],
+                         capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     with open(tmp_path / "compile.csv") as f:
         rows = [r for r in csv.DictReader(f) if r["scope"] == "compile"]
