@@ -78,9 +78,10 @@ drifts during a run); ``spread``: (max - min) / median of the variant's times ov
 others (as the model rows compile), each ``--repeats`` times (the two alternate going first)
 **cold** (a fresh Inductor cache directory and Inductor's in-memory caches emptied: Inductor,
 Triton and the measured choice start empty) and then **cached** (Dynamo reset, the same
-directory: Inductor's FX graph cache and the measured choice's disk cache serve it); rows of scope ``compile``, seconds of the first call (compile, recording, one replay) in
-``compile_s`` and the ratio to default's median in ``ratio_vs_default``. Targets (issue 44): cold
-at most 1.3x, cached at most 1.05x.
+directory: Inductor's FX graph cache and the measured choice's disk cache serve it); rows of
+scope ``compile``, seconds of the first call (compile, recording, one replay) in ``compile_s`` and
+the ratio to default's median in ``ratio_vs_default``. Targets: cold at most 1.3x, cached at most
+1.05x.
 
 ``--decode`` (README's Hugging Face form): ``generate()`` with a static cache and
 ``CompileConfig(backend="tokenweave", options={"mode": "reduce-overhead"})``, batch 1, greedy, on
@@ -596,9 +597,8 @@ def compile_time(run: Run, dims: str) -> None:
 
     args = run.args
     arch = "llama"
-    rest = [t for t in args.tokens if t > 1] or [16]
-    t = rest[0]
-    span = (rest[0], rest[-1]) if len(rest) > 1 else None
+    t = min((u for u in args.tokens if u > 1), default=16)
+    span = one_range(args.tokens).get(t)  # the model rows' range
     lm = build(arch, dims, args.layers, run.dev)
     x = token_ids(t, lm.config.vocab_size, run.dev)
     seconds: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
@@ -887,8 +887,8 @@ def plot(rows: list[dict], path: str) -> None:
 
     model = [r for r in rows if r["scope"] == "model" and r["ratio_vs_default"]]
     dims = sorted({r["dims"] for r in model}) or ["-"]
-    colors = {"auto": "tab:blue", "autotune": "tab:cyan", "fallback": "tab:orange", "nccl": "tab:green", "reference": "tab:red",
-              "ce": "tab:purple"}
+    colors = {"auto": "tab:blue", "autotune": "tab:cyan", "fallback": "tab:orange", "nccl": "tab:green",
+              "reference": "tab:red", "ce": "tab:purple"}
     fig, axes = plt.subplots(1, len(dims), figsize=(6.5 * len(dims), 4.5), squeeze=False)
     for ax, d in zip(axes[0], dims):
         at = [r for r in model if r["dims"] == d]
