@@ -14,6 +14,9 @@ Variants, every one ``torch.compile``d in this process and timed side by side:
 
 * ``default``   Inductor, ``dist.all_reduce`` through NCCL (what users get today)
 * ``nocomm``    the same graph with every all_reduce deleted (wrong results: the ceiling)
+* ``autotune``  ``backend="tokenweave"`` with the defaults (``kernel="auto"``, ``autotune=True``):
+  what a user gets. Its sites are fused where the measured choice at compile time says so, else
+  left as written (plain Inductor's program); its ``design`` column says which
 * ``fused``     ``backend="tokenweave"`` with ``split=False`` (fused AllReduce-RMSNorm only)
 * ``split``     ``backend="tokenweave"``: fused + token split + two-stream overlap
 * ``V@N``       variant V with ``comm_ctas=N`` (e.g. ``split@16``)
@@ -165,8 +168,11 @@ def parse_variant(variant: str) -> tuple[str, str, str, str]:
     rest, _, ctas = variant.partition("@")
     rest, _, offset = rest.partition(":")
     kind, _, design = rest.partition("/")
-    if kind not in ("default", "nocomm", "fused", "split"):
-        raise SystemExit(f"unknown variant {variant!r}: kind must be default, nocomm, fused or split")
+    if kind not in ("default", "autotune", "nocomm", "fused", "split"):
+        raise SystemExit(f"unknown variant {variant!r}: kind must be default, autotune, nocomm, fused or split")
+    if kind == "autotune" and (design or offset):
+        raise SystemExit(f"{variant}: autotune is the defaults (kernel='auto' measured, no split): "
+                         "no /design or :offset")
     return kind, design, offset, ctas
 
 
@@ -176,9 +182,9 @@ def variants_of(args) -> list[str]:
         variants = args.variants.split(",")
     elif args.designs:
         variants = ["nocomm"] + [f"{k}/{d}" for d in args.designs.split(",") for k in ("fused", "split")]
-        variants = variants if fake else ["default"] + variants
+        variants = variants if fake else ["default", "autotune"] + variants
     else:
-        variants = ["nocomm", "fused", "split"] if fake else ["default", "nocomm", "fused", "split"]
+        variants = ["nocomm", "fused", "split"] if fake else ["default", "autotune", "nocomm", "fused", "split"]
     sweep = [f"split:{o}" for o in args.sweep_offsets.split(",")] if args.sweep else []
     variants += sweep
     if args.hf and not args.variants:
@@ -187,8 +193,8 @@ def variants_of(args) -> list[str]:
         kind, design, _, _ = parse_variant(v)
         if args.hf and kind not in ("fused", "split"):
             raise SystemExit(f"{v}: --hf times the variants fused and split only (the model's all_reduces stay)")
-        if fake and kind == "default":
-            raise SystemExit("variant 'default' on the fake process group times an all_reduce that moves nothing; "
+        if fake and kind in ("default", "autotune"):
+            raise SystemExit(f"variant {kind!r} on the fake process group times an all_reduce that moves nothing; "
                              "leave it out with --fake-comm / --rehearse")
         if fake and design not in ("", "ce"):
             raise SystemExit(f"{v}: --fake-comm / --rehearse emulate the ce design only")
@@ -223,10 +229,13 @@ class PointCheck(logging.Handler):
         import weave_compile
 
         self.no_fallback(variant)
-        if parse_variant(variant)[0] in ("default", "nocomm"):
+        kind = parse_variant(variant)[0]
+        if kind in ("default", "nocomm"):
             return "-"
         sites = [s for g in weave_compile.explain().graphs for s in g.sites]
         fused = [s for s in sites if s.fused]
+        if kind == "autotune":  # the measured choice may keep every site as written: that is its answer
+            return "+".join(sorted({s.kernel for s in fused})) if fused else "as written"
         if not fused:
             raise RuntimeError(f"{variant}: no all_reduce site was fused ({[s.reason for s in sites][:3]}): "
                                "this would time the unfused graph")
@@ -249,7 +258,8 @@ def summarize(rows: list[dict], label: str) -> None:
     print(f"summary ({label}; targets: {targets.get(label, 'none')})")
     for t in sorted({t for t, _ in ms}):
         parts = []
-        for v in [v for tt, v in ms if tt == t and parse_variant(v)[0] in ("split", "fused") and ":" not in v]:
+        for v in [v for tt, v in ms if tt == t and parse_variant(v)[0] in ("split", "fused", "autotune")
+                  and ":" not in v]:
             kind = parse_variant(v)[0]
             bases = (("fused" + v[len("split"):]),) if kind == "split" else ()
             for b in bases + ("nocomm", "default"):

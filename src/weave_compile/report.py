@@ -193,6 +193,8 @@ def _measured_lines(m: dict) -> list[str]:
         lines.append(f"    {design} did not compete: {why}")
     if m.get("checked"):
         lines.append(f"    checked: {m['checked']}")
+    if m.get("freed"):
+        lines.append(f"    workspaces freed after the timing (won nowhere): {', '.join(m['freed'])}")
     rows = m.get("rows", [])
     if rows:
         cands = list(dict.fromkeys(c for r in rows for c in r["times"]))

@@ -19,7 +19,7 @@ Adding an implementation is one module that defines ``IMPLEMENTATION`` and one l
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Iterable, NamedTuple, Optional
 
 import torch
 
@@ -71,6 +71,18 @@ class Site:
 
 
 @dataclasses.dataclass(frozen=True)
+class Workspaces:
+    """A design's table of reserved workspaces, as the measured choice frees those of a loser: the
+    keys now held, and ``drop(keys)``, which forgets those entries (and whatever watches them), so
+    their memory is freed once nothing else holds it. Every rank drops the same keys at the same
+    point, after its group's last timing collective (a symmetric allocation may be freed
+    collectively)."""
+
+    keys: Callable[[], frozenset]
+    drop: Callable[[Iterable], None]
+
+
+@dataclasses.dataclass(frozen=True)
 class Implementation:
     """One implementation of the fused op (see the module doc)."""
 
@@ -85,6 +97,9 @@ class Implementation:
     run: Callable[[Rows, FusedSpec], Optional[Outputs]]
     #: Compile time, collective: allocate the workspace the site will use, outside any CUDA graph.
     reserve: Optional[Callable[[Site], None]] = None
+    #: The table ``reserve`` adds to (designs that share a table share the object): the measured
+    #: choice drops the entries its timing added for designs that won nowhere.
+    workspaces: Optional[Workspaces] = None
     #: Raised by ``run`` where its buffers are too small and cannot grow now (CUDA-graph capture):
     #: the op then runs the fallback instead, with the reason logged once.
     capacity_error: Optional[type[Exception]] = None

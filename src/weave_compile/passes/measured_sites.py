@@ -16,16 +16,19 @@ import copy
 import math
 from typing import Callable, Optional
 
+import torch
 import torch.fx as fx
 
 from weave_compile.agreement import group_ranks
 from weave_compile.kernels import Site
 from weave_compile.kernels.measured import Request, Signature
 from weave_compile.kernels.measured.signature import dtype_name
-from weave_compile.ops import FUSED_OPS, START_OP
+from weave_compile.ops import FUSED_OPS, SIBLING_LINEAR, START_OP, WAIT_OP
 
 from .fuse_allreduce_rmsnorm import SITE_KEY
 from .graph_utils import is_call, named_args, val
+
+aten = torch.ops.aten
 
 #: The placeholder the copy's sites are fused with: it takes every form and reserves nothing.
 PLACEHOLDER = "reference"
@@ -75,5 +78,33 @@ def signature_of(node: fx.Node, site: Site) -> Signature:
         weight=dt(a["weight"]), scale=dt(a["scale"]), weight_offset=float(a["weight_offset"]),
         eps_on_device=a["eps_tensor"] is not None, residual_in_sharded=bool(a["residual_in_sharded"]),
         residual_out_sharded=bool(a["residual_out_sharded"]), sequence_parallel=site.sequence_parallel,
-        split=is_call(node, START_OP), comm_ctas=int(a["comm_ctas"]), out_slot=int(a["out_slot"]) >= 0,
+        split=is_call(node, START_OP), beside=gemms_beside(node) if is_call(node, START_OP) else (),
+        comm_ctas=int(a["comm_ctas"]), out_slot=int(a["out_slot"]) >= 0,
         tokens=tokens, token_range=None if static else site.token_range)
+
+
+#: The GEMMs recorded beside a split half's op (a layer's: QKV, O, gate+up, down and a few more).
+MAX_BESIDE = 8
+#: GEMMs whose output is ``[rows, N]`` (``sibling_linear``: ``[..., N]``) and whose input
+#: (``x``: the first tensor argument, or addmm's second) has ``K`` columns
+_GEMMS = {aten.mm.default: 0, aten.addmm.default: 1, SIBLING_LINEAR: 0}
+
+
+def gemms_beside(start: fx.Node) -> tuple[tuple[Optional[int], int, int], ...]:
+    """The GEMMs the split schedule runs while ``start``'s communication is in flight: those
+    between the start op and its wait in the graph's order (the other half's compute,
+    :mod:`~weave_compile.passes.split_tokens.schedule`), as ``(rows, K, N)``, rows None where
+    symbolic (the timing then takes the half's token count). Empty where no wait follows."""
+    wait = next((u for g in start.users for u in g.users if is_call(u, WAIT_OP)), None)
+    if wait is None:
+        return ()
+    out = []
+    node = start.next
+    while node is not wait and node.op != "output" and len(out) < MAX_BESIDE:
+        if node.op == "call_function" and node.target in _GEMMS and isinstance(val(node), torch.Tensor):
+            shape = val(node).shape
+            rows = math.prod(shape[:-1]) if all(isinstance(d, int) for d in shape[:-1]) else None
+            k = val(node.args[_GEMMS[node.target]]).shape[-1]
+            out.append((rows, int(k), int(shape[-1])))
+        node = node.next
+    return tuple(out)

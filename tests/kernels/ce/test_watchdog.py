@@ -197,3 +197,22 @@ def test_timeout_option(monkeypatch):
     assert ws.mark is None
     with pytest.raises(ValueError):
         Watchdog(timeout_s=0)
+
+
+
+@pytest.mark.parametrize("unwatched", [True, False])
+def test_an_unwatched_workspace_is_no_longer_polled(unwatched):
+    """A workspace the measured choice dropped (its design won nowhere) is not watched any more: a
+    stall on it does not fire (and the watchdog holds no reference to it); watched, the same fires."""
+    clock, wss, wd = _setup()
+    _, _, prog = _call(wss[0])  # rank 1's call is never issued
+    ranks = Ranks([prog])
+    ranks.run()
+    assert not ranks.done(0)
+    assert wd.check() == []  # t=0: the wait starts
+    if unwatched:
+        wd.unwatch(wss[0])
+    clock.now = 100.0
+    fired = wd.check()
+    assert (fired == [] and wss[0].failed is None) if unwatched else len(fired) == 1
+    assert any(e.ws is wss[0] for e in wd._watched) is not unwatched

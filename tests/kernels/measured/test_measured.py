@@ -346,3 +346,114 @@ def test_ranks_that_compile_different_graphs_meet_no_timing_and_stay_correct():
             assert m["source"].startswith("not measured:") and "compiled different graphs" in m["source"], run["text"]
     sources = {m["source"].split(":")[1].strip() for run in runs for m in run["measured"]}
     assert any(s.startswith("the ranks compiled different graphs here") for s in sources), sources
+
+
+#: the test design ``spacey``'s workspace table (a rank's): what its reservations added
+SPACEY_TABLE: dict = {}
+
+
+def _register_spacey() -> None:
+    """``spacey``: the reference under another name, with a workspace table its reservation adds to
+    (one entry per hidden size and size hint) and the registry's hook over it."""
+    from weave_compile.kernels import registry
+    from weave_compile.kernels.reference import reference_impl
+
+    def reserve(site):
+        SPACEY_TABLE[(site.hidden, site.size_hint)] = object()
+
+    def drop(keys):
+        for k in keys:
+            SPACEY_TABLE.pop(k, None)
+
+    table = registry.Workspaces(lambda: frozenset(SPACEY_TABLE), drop)
+    registry.register(dataclasses.replace(registry.get("reference"), name="spacey", run=reference_impl,
+                                          fallback=False, reserve=reserve, workspaces=table))
+
+
+def _spacey(rank, world, wins):
+    from weave_compile.kernels import measured
+
+    _register_spacey()
+    SPACEY_TABLE["held before"] = object()  # reserved by an earlier graph: never the measurement's to free
+    fast = "spacey" if wins else "reference"
+    measured.set_timer(_timer(lambda cand, b, r: 5.0 if cand == fast else 20.0))
+    out = _compile_llama(rank, world, {}, [_tokens(16)])
+    return {**out, "table": sorted(map(str, SPACEY_TABLE))}
+
+
+@pytest.mark.parametrize("wins", [True, False])
+def test_the_workspaces_of_a_design_that_wins_nowhere_are_freed(tmp_path, wins):
+    runs = assert_ranks_ok(run_ranks(_spacey, 2, args=(wins,), timeout=TIMEOUT,
+                                     env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}))
+    for run in runs:
+        assert max(run["errs"]) < 1e-5, run["text"]
+        assert run["kernels"] == (["spacey"] if wins else ["reference"]) * 5, run["text"]
+        m = run["measured"][0]
+        if wins:  # the entry the timing reserved stays for the graph that runs it
+            assert run["table"] == ["(64, 16)", "held before"] and not m["freed"], (run["table"], run["text"])
+        else:
+            assert run["table"] == ["held before"] and m["freed"] == ["spacey"], (run["table"], run["text"])
+            assert "workspaces freed after the timing (won nowhere): spacey" in run["text"]
+
+
+def _split(rank, world):
+    import weave_compile
+
+    model = TPLlama(DIMS, tp=world, rank=rank, group=dist.group.WORLD, seed=0)
+    compiled = torch.compile(model, backend="tokenweave",
+                             options={"compiler": "aot_eager", "split": True, "split_threshold": 16})
+    tokens = _tokens(40)
+    with torch.no_grad():
+        err = (compiled(tokens) - model(tokens)).abs().max().item()
+    report = weave_compile.explain()
+    return {"err": err, "measured": [m for g in report.graphs for m in g.measured], "text": str(report),
+            "kernels": [s.kernel for s in report.sites]}
+
+
+@pytest.mark.slow
+def test_under_the_split_each_half_is_timed_beside_the_other_halfs_gemms(tmp_path):
+    """Real CPU timings of a split graph: each half's op is timed with the GEMMs the schedule runs
+    beside it (the signature says how many), the site as written does not compete, every rank takes
+    the same answer and the outputs equal eager."""
+    runs = assert_ranks_ok(run_ranks(_split, 2, timeout=TIMEOUT, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}))
+    for run in runs:
+        assert run["err"] < 1e-5, run["text"]
+        [m] = run["measured"]
+        assert m["source"].startswith("measured now") and m["rows"], run["text"]
+        sigs = {r["signature"] for r in m["rows"]}
+        # the interior sites' halves run beside the other half's GEMMs; the first site's halves
+        # (layer 0's input norm: nothing computes before it) beside nothing
+        assert any("split half beside" in s for s in sigs), sigs
+        assert all("beside" not in s for s in sigs if "no residual" in s), sigs
+        assert all("as written" not in r["times"] for r in m["rows"]), m["rows"]
+        assert set(run["kernels"]) <= {"reference", "nccl"}, run["text"]
+    assert runs[0]["kernels"] == runs[1]["kernels"] and runs[0]["measured"][0]["rows"] == runs[1]["measured"][0]["rows"]
+
+
+def test_a_split_halfs_timed_call_runs_the_gemms_beside_it(group):  # noqa: F811
+    """The timed call of a split half is the schedule's: start, the other half's GEMMs (real random
+    operands of the recorded shapes; rows None: the half's count), wait. The oracle check's call
+    runs the op alone."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from weave_compile.kernels.measured import timing
+    from weave_compile.kernels.measured.signature import Signature
+
+    class CountMM(TorchDispatchMode):
+        shapes: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.mm.default:
+                self.shapes.append((tuple(args[0].shape), tuple(args[1].shape)))
+            return func(*args, **(kwargs or {}))
+
+    sig = Signature(device="cpu", ranks=(0, 1), hidden=16, dtype="float32", residual_in="float32",
+                    residual_dtype="float32", out_dtype="float32", weight="float32", tokens=6, split=True,
+                    beside=((None, 16, 24), (6, 12, 16)))
+    inp = timing.make_inputs(sig, 6, 0, torch.device("cpu"), seed=3, all_ranks=False)
+    assert [(tuple(a.shape), tuple(b.shape)) for a, b in inp.gemms] == [((6, 16), (16, 24)), ((6, 12), (12, 16))]
+    assert all(a.abs().sum() > 0 and b.abs().sum() > 0 for a, b in inp.gemms)  # real values, never zeros
+    with CountMM() as mode:
+        timing.fused_runner("reference", sig, group, inp)()
+    assert mode.shapes == [((6, 16), (16, 24)), ((6, 12), (12, 16))]
+    assert timing.make_inputs(sig, 6, 0, torch.device("cpu"), seed=3, all_ranks=True).gemms == ()

@@ -1,5 +1,7 @@
 """Signatures: what a fused op call's time depends on, and the token buckets a symbolic count is timed at."""
 
+import json
+
 import pytest
 
 from weave_compile.kernels.measured.signature import MAX_BUCKET_TOKENS, Signature, bucket_of
@@ -51,10 +53,19 @@ def test_key_covers_every_field_and_round_trips():
     a = sig(tokens=64)
     assert a.key() == sig(tokens=64).key()
     for change in (dict(tokens=65), dict(residual_out_sharded=True), dict(ranks=(0, 2)), dict(bias="bfloat16"),
-                   dict(comm_ctas=8), dict(split=True), dict(hidden=4097)):
+                   dict(comm_ctas=8), dict(split=True), dict(hidden=4097),
+                   dict(split=True, beside=((None, 4096, 3072),))):
         assert sig(**{"tokens": 64, **change}).key() != a.key(), change
     b = sig(tokens=None, token_range=(1, 128))
     assert Signature.from_json(b.to_json()) == b
+    c = sig(tokens=None, token_range=(1, 128), split=True, beside=((None, 4096, 3072), (64, 1536, 4096)))
+    assert Signature.from_json(json.loads(json.dumps(c.to_json()))) == c  # as the store and the cache hold it
+
+
+def test_a_split_half_names_the_gemms_beside_it():
+    assert sig(tokens=16, split=True).describe().endswith("split half")
+    assert sig(tokens=16, split=True, beside=((None, 64, 32),)).describe().endswith("split half beside 1 GEMM")
+    assert sig(tokens=16, split=True, beside=((None, 64, 32),) * 3).describe().endswith("beside 3 GEMMs")
 
 
 def test_describe_names_layout_and_terms():

@@ -58,7 +58,8 @@ def _run(rows, spec):
 
 IMPLEMENTATION = Implementation(
     "ce", "copy-engine peer copies, stream-memory-op flags, a few-CTA add+norm: no SM moves or spins",
-    _check, _run, reserve=_reserve, capacity_error=copy_engine.CeCapacityError, takes_scale=True,
+    _check, _run, reserve=_reserve, workspaces=workspace.WORKSPACES,
+    capacity_error=copy_engine.CeCapacityError, takes_scale=True,
     takes_eps_tensor=True,
     # After p2p (2) where nothing measured decides; the measured table (kernels/auto_table.py)
     # picks it where its rows say it is fastest.

@@ -182,6 +182,11 @@ class Watchdog:
             with self._lock:
                 self._watched.append(_Watched(ws, ws.mark.read(), self._clock()))
 
+    def unwatch(self, ws: CeWorkspace) -> None:
+        """Stop watching ``ws`` (a workspace dropped: nothing runs on it any more)."""
+        with self._lock:
+            self._watched = [e for e in self._watched if e.ws is not ws]
+
     def _rescue_of(self, ws: CeWorkspace) -> Callable[[CeWorkspace], None]:
         if self._rescue is not None:
             return self._rescue
@@ -278,3 +283,9 @@ def watch_default(ws: CeWorkspace) -> None:
     except Exception as e:
         log.warning("ce: group %s rank %d is not watched, its waits on peers are unbounded: %s: %s",
                     ws.group_name, ws.rank, type(e).__name__, e)
+
+
+def unwatch_default(ws: CeWorkspace) -> None:
+    """Stop watching ``ws`` with the process's watchdog, where one runs."""
+    if _DEFAULT is not None:
+        _DEFAULT.unwatch(ws)

@@ -21,6 +21,8 @@ import torch
 
 from weave_compile.rows import group_size
 
+from ..registry import Workspaces
+
 log = logging.getLogger(__name__)
 
 RS, AG = 0, 1  # rows of the flags array
@@ -144,6 +146,20 @@ _WORKSPACES: dict[tuple, CeWorkspace] = {}
 #: Replaced workspaces, kept alive for the process (see get_workspace); with growth of at least
 #: 1.5x what is kept stays below about twice the final capacity.
 _RETIRED: list[CeWorkspace] = []
+
+
+def _drop(keys) -> None:
+    from . import watchdog
+
+    for key in keys:
+        ws = _WORKSPACES.pop(key, None)
+        if ws is not None:
+            watchdog.unwatch_default(ws)
+
+
+#: The table ``ce`` reserves in, as the measured choice frees a loser's entries (and stops
+#: watching them).
+WORKSPACES = Workspaces(lambda: frozenset(_WORKSPACES), _drop)
 
 
 def _allocate(group_name: str, device: torch.device, hidden: int, dtypes: tuple, capacity: int) -> CeWorkspace:

@@ -82,6 +82,8 @@ class Outcome:
     source: str  # where the answer came from, or why there is none
     digest: str = ""
     seconds: float = 0.0
+    #: designs whose workspaces, reserved for this measurement, were freed (they won nowhere)
+    freed: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -167,17 +169,18 @@ def _choose(req: Request) -> Outcome:
     if not meeting.ok:
         return Outcome(None, f"not measured: {meeting.reason}", digest, time.monotonic() - start)
     posted = _posted_answer(meeting.posts)
+    freed: list[str] = []
     if posted is not None:
         answer, source = posted
         if answer != cached:
             cache.save(fp, answer)
     else:
         with _real_tensors():
-            answer = _measure(req, cands, meeting)
+            answer, freed = _measure(req, cands, meeting)
         source = f"measured now ({cache_why}), {time.monotonic() - start:.1f} s"
         cache.save(fp, answer)
     _settled[(req.ranks, digest)] = answer
-    return Outcome(answer, source, digest, time.monotonic() - start)
+    return Outcome(answer, source, digest, time.monotonic() - start, tuple(freed))
 
 
 def served(store, ranks: tuple[int, ...], digest: str, answer: dict) -> None:
@@ -207,9 +210,10 @@ def _posted_answer(posts: list[dict]) -> Optional[tuple[dict, str]]:
 # ----------------------------------------------------------------------------- measuring
 
 
-def _measure(req: Request, cands: list[str], meeting: rendezvous.Meeting) -> dict:
+def _measure(req: Request, cands: list[str], meeting: rendezvous.Meeting) -> tuple[dict, list[str]]:
     """Checks, workspaces, the oracle check, the timing, the settling: every step collective in one
-    order on every rank (they met on the same sites and candidates)."""
+    order on every rank (they met on the same sites and candidates). Returns the answer and the
+    designs whose workspaces were freed after."""
     from ...rows import group_size_rank
     from ..auto import unavailable
 
@@ -226,9 +230,12 @@ def _measure(req: Request, cands: list[str], meeting: rendezvous.Meeting) -> dic
     posted = meeting.exchange("available", why_not)
     excluded = {d: next(p[d] for p in posted if p[d]) for d in designs if any(p[d] for p in posted)}
     designs = [d for d in designs if d not in excluded]
-    # 2. workspaces for the largest bucket (collective)
+    # 2. workspaces for the largest bucket (collective); what each table held before, so that the
+    # entries added for designs that win nowhere are freed after
     sigs = {s.key(): s for ss in req.sites.values() for s in ss}
-    for d in designs:
+    reserved = list(designs)
+    held = {id(t): t.keys() for t in _tables(reserved)}
+    for d in reserved:
         impl = registry.get(d)
         if impl.reserve is not None:
             for site in _reserve_sites(req):
@@ -264,7 +271,35 @@ def _measure(req: Request, cands: list[str], meeting: rendezvous.Meeting) -> dic
     answer = choice.decide(table, sigs, [[s.key() for s in ss] for ss in req.sites.values()], competing)
     answer["excluded"] = excluded
     answer["checked"] = "skipped: the fake process group's collectives move nothing" if fake else "float64 oracle"
-    return answer
+    return answer, _free_losers(reserved, choice.used(answer), held, barrier)
+
+
+def _tables(designs: list[str]) -> list:
+    """The distinct workspace tables of ``designs`` (designs may share one)."""
+    out = {}
+    for d in designs:
+        t = registry.get(d).workspaces
+        if t is not None:
+            out[id(t)] = t
+    return list(out.values())
+
+
+def _free_losers(designs: list[str], winners: set[str], held: dict, barrier: Callable[[], None]) -> list[str]:
+    """Drop the workspace entries this measurement added for designs that won nowhere (a table a
+    winner shares is kept whole; an entry held before, even grown since, is kept): every rank
+    decided the same answer, and the barrier puts every rank past its last timed call (no peer
+    still writes into the memory) before any entry goes. Returns the designs freed."""
+    keep = {id(t) for t in _tables(sorted(winners))}
+    losers = [d for d in designs if d not in winners and registry.get(d).workspaces is not None]
+    drop = {id(t): t for t in _tables(losers) if id(t) not in keep}
+    if not drop:
+        return []
+    barrier()
+    for tid, t in drop.items():
+        t.drop(t.keys() - held.get(tid, frozenset()))
+    freed = [d for d in losers if id(registry.get(d).workspaces) in drop]
+    log.info("tokenweave: freed the workspaces reserved to time %s (won nowhere)", ", ".join(freed))
+    return freed
 
 
 @contextlib.contextmanager
@@ -407,4 +442,4 @@ def report(outcome: Outcome, req: Request) -> dict:
             rows.append({"signature": sig.describe(), "sites": counts[key], "T": b, "best": best,
                          "times": {c: _time_cell(*v) for c, v in cells.items()}})
     return {**out, "reason": answer["reason"], "rows": rows, "excluded": answer.get("excluded", {}),
-            "checked": answer.get("checked", "")}
+            "checked": answer.get("checked", ""), "freed": list(outcome.freed)}

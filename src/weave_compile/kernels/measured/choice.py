@@ -129,3 +129,10 @@ def site_kernel(answer: dict, sig_keys: list[str]) -> str:
     token count where its buckets' winners differ (:mod:`.dispatch`)."""
     per_bucket = answer["winners"][site_key(sig_keys)]
     return dispatch.encode([(int(b), d) for b, d in per_bucket.items()])
+
+
+def used(answer: dict) -> set[str]:
+    """The designs the answer runs at some site and bucket (none where the sites stay as written)."""
+    if not answer.get("fused"):
+        return set()
+    return {d for per_bucket in answer["winners"].values() for d in per_bucket.values()}

@@ -5,7 +5,7 @@ timed once per signature (a Llama's interior sites share one; the first and the 
 their residual's layout). Everything that shapes a call's time is a field: the device, the group's
 ranks, the dtypes, what the op applies besides the sum (bias, weight, scale, the norm's mid cast),
 the residual's layout (sharded in, sharded out: as :mod:`weave_compile.passes.shard_residual`
-leaves it), whether the op runs beside compute (a split half), its CTA budget and the token count:
+leaves it), whether the op runs beside compute (a split half: and the GEMMs it runs beside), its CTA budget and the token count:
 static, or symbolic with the range the shape environment bounds it to.
 
 A symbolic token count is timed at power-of-two buckets (:func:`Signature.buckets`), from the
@@ -68,6 +68,9 @@ class Signature:
     residual_out_sharded: bool = False
     sequence_parallel: bool = False  # the site reduce-scatters the model's own sequence shard
     split: bool = False  # one half of a split layer: the op runs beside the other half's compute
+    #: of a split half: the GEMMs the other half runs while this half's op communicates (the nodes
+    #: between the op's start and its wait), as ``(rows, K, N)``; rows None: the half's token count
+    beside: tuple[tuple[Optional[int], int, int], ...] = ()
     comm_ctas: int = 32
     out_slot: bool = False  # the op may leave its output in the symmetric output ring
     tokens: Optional[int] = None  # static token count; None: symbolic
@@ -105,7 +108,8 @@ class Signature:
         kind = "sequence-parallel " if self.sequence_parallel else ""
         # T is the table's own column (a symbolic T has a row per bucket)
         return (f"{kind}H={self.hidden} {self.dtype} x{self.world_size}, {layout}"
-                + (f", {'+'.join(terms)}" if terms else "") + (", split half" if self.split else ""))
+                + (f", {'+'.join(terms)}" if terms else "") + (", split half" if self.split else "")
+                + (f" beside {len(self.beside)} GEMM{'s' * (len(self.beside) != 1)}" if self.beside else ""))
 
     def key(self) -> str:
         """A stable digest of every field."""
@@ -120,6 +124,7 @@ class Signature:
         d["ranks"] = tuple(d["ranks"])
         if d.get("token_range") is not None:
             d["token_range"] = tuple(d["token_range"])
+        d["beside"] = tuple(tuple(g) for g in d.get("beside", ()))
         return cls(**d)
 
 

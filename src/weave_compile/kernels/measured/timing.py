@@ -103,6 +103,8 @@ class Inputs:
     scale: Optional[torch.Tensor]
     eps_tensor: Optional[torch.Tensor]
     partials: Optional[list[torch.Tensor]] = None  # every rank's x, for the oracle (the check only)
+    #: a split half's: the operands of the GEMMs the other half runs beside its op (timing only)
+    gemms: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
 
 EPS = 1e-6
@@ -146,14 +148,22 @@ def make_inputs(sig: Signature, num_tokens: int, group_rank: int, device: torch.
         weight = weight.to(dtype_of(sig.weight))
     scale = torch.tensor(1.7, dtype=dtype_of(sig.scale), device=device) if sig.scale else None
     eps_tensor = torch.tensor(EPS, dtype=torch.float32, device=device) if sig.eps_on_device else None
-    return Inputs(x, residual_full, residual, bias, weight, scale, eps_tensor, partials)
+    gemms = () if all_ranks else tuple(
+        (randn(num_tokens if m is None else m, k, dtype=dt, gen_seed=seed * 64 + 60 - 2 * i),
+         randn(k, n, dtype=dt, gen_seed=seed * 64 + 59 - 2 * i) * k ** -0.5)
+        for i, (m, k, n) in enumerate(sig.beside))
+    return Inputs(x, residual_full, residual, bias, weight, scale, eps_tensor, partials, gemms)
 
 
 # ----------------------------------------------------------------------------- the runners
 
 
 def fused_runner(design: str, sig: Signature, group_name: str, inp: Inputs) -> Callable[[], tuple]:
-    """One call of the fused op with ``design`` on ``inp``: what the compiled graph calls at the site."""
+    """One call of the fused op with ``design`` on ``inp``: what the compiled graph calls at the site.
+    A split half's op runs as the split schedule runs it: started (on the communication stream),
+    the other half's GEMMs (``inp.gemms``) on the current stream beside it, then the wait; the
+    time of the pair is what a design costs the split layer, its own time and what it slows the
+    GEMMs by (docs/kernels.md)."""
     op = torch.ops.weave.allreduce_add_rmsnorm_start.default if sig.split else \
         torch.ops.weave.allreduce_add_rmsnorm.default
     wait = torch.ops.weave.comm_wait.default
@@ -167,6 +177,8 @@ def fused_runner(design: str, sig: Signature, group_name: str, inp: Inputs) -> C
     def call():
         out = op(inp.x, **kwargs)
         if sig.split:
+            for a, b in inp.gemms:
+                torch.mm(a, b)
             wait(out[0], out[1], [inp.x])
         return out
 

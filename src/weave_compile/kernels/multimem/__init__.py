@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..registry import Implementation
 from ..shared import probe
-from ..shared.workspace import SymmCapacityError
+from ..shared.workspace import WORKSPACES, SymmCapacityError
 
 
 def _check(site) -> str | None:
@@ -43,5 +43,6 @@ def _run(rows, spec):
 # (multicast stays off on the machines this project measures on). Force it with kernel="multimem".
 IMPLEMENTATION = Implementation(
     "multimem", "pull kernel: multimem.ld_reduce / multimem.st through NVLink SHARP (multicast machines)",
-    _check, _run, reserve=_reserve, capacity_error=SymmCapacityError, note=_note, auto_rank=0, auto_preferred=True,
+    _check, _run, reserve=_reserve, workspaces=WORKSPACES,
+    capacity_error=SymmCapacityError, note=_note, auto_rank=0, auto_preferred=True,
     auto_ready=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from ..registry import Implementation
 from ..shared import probe
 from ..shared.workspace import SymmCapacityError
+from .workspace import WORKSPACES
 
 #: The provisional crossover: ``auto`` may take the one-shot kernel only for a static token count
 #: whose message ``T * H * itemsize`` is at most this. Below it the push kernel's fixed cost (its
@@ -43,6 +44,7 @@ def _run(rows, spec):
 # on one H200 only, and auto takes no design whose crossover was never measured).
 IMPLEMENTATION = Implementation(
     "oneshot", "every rank pushes all its rows to every peer, data as their own flags: no barrier (decode)",
-    _check, _run, reserve=_reserve, capacity_error=SymmCapacityError, takes_eps_tensor=True, auto_rank=1,
+    _check, _run, reserve=_reserve, workspaces=WORKSPACES,
+    capacity_error=SymmCapacityError, takes_eps_tensor=True, auto_rank=1,
     auto_preferred=True,
     auto_max_bytes=ONESHOT_MAX_BYTES, auto_ready=False)

@@ -15,6 +15,7 @@ import torch
 
 from weave_compile.rows import group_size
 
+from ..registry import Workspaces
 from ..shared.workspace import SymmCapacityError, _ensure_group_enabled
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,15 @@ _WORKSPACES: dict[tuple, OneShotWorkspace] = {}
 #: Replaced workspaces, kept alive for the process (see get_workspace); with growth of at least
 #: 1.5x what is kept stays below about twice the final capacity.
 _RETIRED: list[OneShotWorkspace] = []
+
+
+def _drop(keys) -> None:
+    for key in keys:
+        _WORKSPACES.pop(key, None)
+
+
+#: The table ``oneshot`` reserves in, as the measured choice frees a loser's entries.
+WORKSPACES = Workspaces(lambda: frozenset(_WORKSPACES), _drop)
 
 
 def _allocate(group_name: str, device: torch.device, hidden: int, in_dtype: torch.dtype, res_dtype: torch.dtype,

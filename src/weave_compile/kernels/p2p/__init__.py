@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..registry import Implementation
 from ..shared import probe
-from ..shared.workspace import SymmCapacityError
+from ..shared.workspace import WORKSPACES, SymmCapacityError
 
 
 def _check(site) -> str | None:
@@ -34,5 +34,6 @@ def _run(rows, spec):
 
 IMPLEMENTATION = Implementation(
     "p2p", "push kernel: peer stores into symmetric memory, three block barriers, any NVLink/P2P machine",
-    _check, _run, reserve=_reserve, capacity_error=SymmCapacityError, takes_out_slot=True, takes_eps_tensor=True,
+    _check, _run, reserve=_reserve, workspaces=WORKSPACES,
+    capacity_error=SymmCapacityError, takes_out_slot=True, takes_eps_tensor=True,
     auto_rank=2)

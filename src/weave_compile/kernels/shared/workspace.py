@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..registry import Workspaces
 from .common import MAX_CTAS, MAX_WORLD_SIZE, OUT_RING_SLOTS
 from .sync import pad_offset_for
 
@@ -93,6 +94,15 @@ _WORKSPACES: dict[tuple, SymmWorkspace] = {}
 # Workspaces replaced (grown, or given the ring) while a captured CUDA graph or an enqueued
 # launch, here or on a peer, may still use them: kept for the rest of the process.
 _RETIRED: list[SymmWorkspace] = []
+
+
+def _drop(keys) -> None:
+    for key in keys:
+        _WORKSPACES.pop(key, None)
+
+
+#: The table ``p2p`` and ``multimem`` reserve in, as the measured choice frees a loser's entries.
+WORKSPACES = Workspaces(lambda: frozenset(_WORKSPACES), _drop)
 
 
 def _symm_mem():
