@@ -8,7 +8,7 @@ compiles); see README.md.
 from weave_compile.config import Options, TokenWeaveConfig
 from weave_compile.report import explain, reset
 
-__all__ = ["Options", "TokenWeaveConfig", "explain", "reset", "tokenweave_backend"]
+__all__ = ["BatchInvariantError", "Options", "TokenWeaveConfig", "explain", "reset", "tokenweave_backend"]
 
 
 def __getattr__(name):
@@ -17,4 +17,8 @@ def __getattr__(name):
         from weave_compile.backend import tokenweave_backend
 
         return tokenweave_backend
+    if name == "BatchInvariantError":
+        from weave_compile.kernels.auto import BatchInvariantError
+
+        return BatchInvariantError
     raise AttributeError(name)

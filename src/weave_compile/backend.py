@@ -22,6 +22,7 @@ from torch._dynamo.exc import ShortenTraceback
 from weave_compile import agreement, backward_hooks
 from weave_compile import report as report_mod
 from weave_compile.config import TokenWeaveConfig
+from weave_compile.kernels.auto import BatchInvariantError
 from weave_compile.passes.pass_manager import WeavePassManager
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,11 @@ def tokenweave_backend(gm: torch.fx.GraphModule, example_inputs: list[Any],
     as_written = _as_written(gm, example_inputs, config, inductor_patches)
     strict = agreement.first_compile_of_frame()
     with agreement.compiling():
-        compiled = _compile(gm, example_inputs, config, passes, inductor_patches)
+        try:
+            compiled = _compile(gm, example_inputs, config, passes, inductor_patches)
+        except Exception as e:
+            _raise_callers_batch_invariant(e)
+            raise
     passes.after_compile()
     reports = passes.graph_reports
     brk = graph_break(gm)
@@ -135,6 +140,22 @@ class OptionTypeError(_CallersError, TypeError):
 
 class MissingProcessGroupError(_CallersError, RuntimeError):
     """The graph calls a collective, and torch.distributed has no process group to run it on."""
+
+
+class BatchInvariantCompileError(_CallersError, BatchInvariantError):
+    """``batch_invariant=True`` and a site that cannot be kept invariant (the message names it)."""
+
+
+def _raise_callers_batch_invariant(e: BaseException) -> None:
+    """Raise the :class:`BatchInvariantError` behind ``e`` (the compiler wraps what a pass raises)
+    as the caller's error; return where there is none."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, BatchInvariantError):
+            raise BatchInvariantCompileError(str(e), inspect.currentframe()) from None
+        e = e.__cause__ or e.__context__ or next((a for a in getattr(e, "args", ()) if isinstance(a, BaseException)),
+                                                 None)
 
 
 def _no_collectives_without_a_group(gm) -> None:

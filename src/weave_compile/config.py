@@ -61,6 +61,13 @@ class Options(SplitOptions):
     #: cache directory and reused (``kernels/measured``). False: the shipped rules
     #: (``kernels/auto.py``), which take no design without a measurement across GPUs.
     autotune: bool = True
+    #: Every fused site's output rows (normed and residual) bitwise the same whatever else is in
+    #: the batch: the token count, the other rows, the split, the launch shape and the rank that
+    #: owns a row. Only implementations that add the partial sums in one fixed order (rank 0, 1,
+    #: ..., N-1, in fp32) run, one per site for every token count; a site none of them can take
+    #: stays as written only where that is invariant too (two ranks), else compiling raises
+    #: ``BatchInvariantError`` naming it (docs/kernels.md, "Batch invariance").
+    batch_invariant: bool = False
     #: Let the ``p2p`` kernel leave its normed output in the symmetric output ring where the
     #: peers pushed it (no copy of their rows), wherever the ``output`` pass proves every reader
     #: runs before the ring slot is written again; elsewhere it is copied out as before, with the

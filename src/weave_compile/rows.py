@@ -62,6 +62,23 @@ def reduce_scatter_rows(rows: torch.Tensor, group_name: str, world_size: int) ->
     return torch.ops._c10d_functional.wait_tensor(out)
 
 
+def ordered_sum_rows(rows: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
+    """This rank's ``[S, H]`` slice of the sum over ranks of ``rows`` [S * N, H], added in rank
+    order (0, 1, ..., N-1) in float32: an all-to-all brings every rank's partial rows of this
+    rank's slice (the bytes of a reduce-scatter), then the same additions run for every row, so a
+    row's sum does not depend on the token count, the other rows or the rank that owns it (a
+    reduce-scatter's order may: NCCL's and gloo's algorithms change with the message and the
+    owner)."""
+    S = rows.shape[0] // world_size
+    split = [S] * world_size
+    out = torch.ops._c10d_functional.all_to_all_single(rows.contiguous(), split, split, group_name)
+    parts = torch.ops._c10d_functional.wait_tensor(out).view(world_size, S, *rows.shape[1:])
+    acc = parts[0].float()
+    for j in range(1, world_size):
+        acc = acc + parts[j].float()
+    return acc
+
+
 def all_gather_rows(rows: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
     """Every rank's ``rows`` [S, H], stacked in rank order: [S * N, H]."""
     out = torch.ops._c10d_functional.all_gather_into_tensor(rows.contiguous(), world_size, group_name)

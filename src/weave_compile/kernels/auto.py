@@ -80,8 +80,50 @@ AS_WRITTEN = "as written"
 MIN_GAIN = 0.02
 
 
+class BatchInvariantError(RuntimeError):
+    """``batch_invariant=True`` and a site where no implementation that adds the partial sums in a
+    fixed order can run, whose chain as written is not batch-invariant either."""
+
+
 def choose(requested: str, site: Site) -> tuple[str, str]:
-    """``(implementation name, reason)`` for ``requested`` (``auto`` or a registered name) at ``site``."""
+    """``(implementation name, reason)`` for ``requested`` (``auto`` or a registered name) at ``site``;
+    with ``batch_invariant`` a batch-invariant one, or :class:`BatchInvariantError` (:func:`invariant`)."""
+    name, why = _choose(requested, site)
+    return invariant(name, why, site) if site.batch_invariant else (name, why)
+
+
+def written_invariant(world_size: int) -> bool:
+    """Whether a site as written is batch-invariant: at two ranks (``a + b`` is ``b + a`` bitwise,
+    whatever order the all_reduce adds them in; Inductor's add and norm compute each row alike at
+    every token count), not at more (NCCL's and gloo's reduction order change with the message
+    size and the rank)."""
+    return world_size <= 2
+
+
+def invariant(name: str, why: str, site: Site) -> tuple[str, str]:
+    """``(name, why)`` checked for ``batch_invariant``: an implementation that claims it, or the
+    site as written where that is invariant (:func:`written_invariant`); else
+    :class:`BatchInvariantError` naming the site's group and why. A fallback that does not claim
+    it (none of the registered ones) counts as no implementation."""
+    from .measured import dispatch
+
+    if name != AS_WRITTEN:
+        table = dispatch.decode(name)
+        names = [d for _, d in table] if table is not None else [name]
+        lacking = [n for n in names if not registry.get(n).batch_invariant]
+        if not lacking:
+            return name, f"{why}; batch-invariant: partial sums added in rank order in fp32"
+        why = f"{why}; {', '.join(lacking)} does not add the partial sums in a fixed order"
+    if written_invariant(site.world_size):
+        return AS_WRITTEN, f"{why}; batch-invariant as written: 2 ranks (the sum of two partials has one order)"
+    raise BatchInvariantError(
+        f"batch_invariant=True: the site (process group {site.group_name!r}, {site.world_size} ranks, "
+        f"H={site.hidden}, {site.dtype}) would stay as written ({why}), and an all_reduce of "
+        f"{site.world_size} ranks adds the partial sums in an order that changes with the message size; no "
+        "implementation that adds them in a fixed order can run here")
+
+
+def _choose(requested: str, site: Site) -> tuple[str, str]:
     if requested == registry.AUTO:
         return _auto(site)
     impl = registry.get(requested)
@@ -110,6 +152,10 @@ def takes(impl: Implementation, site: Site) -> Optional[str]:
     if site.eps_on_device and not impl.takes_eps_tensor:
         takers = [e.name for e in registry.implementations() if e.takes_eps_tensor]
         return f"eps is a device tensor: only {', '.join(takers)} read it there (the others read it on the host)"
+    if site.batch_invariant and not impl.batch_invariant:
+        takers = [e.name for e in registry.implementations() if e.batch_invariant]
+        return (f"batch_invariant: only {', '.join(takers)} add the partial sums in a fixed order "
+                "(this one's order may depend on the token count or the rank that owns a row)")
     return None
 
 

@@ -11,6 +11,11 @@ compile time or at run time, this runs instead of ``reference``, whose eager cha
 compiled graph measured well slower than plain Inductor (docs/performance.md section 8).
 Whether a site gets it or stays as written is :mod:`weave_compile.kernels.auto`'s decision.
 
+With ``batch_invariant`` the reduce-scatter is an all-to-all (the same bytes) and the partial sums
+are added in rank order in fp32, then rounded once to x's dtype (one more elementwise pass over
+the rows); the rest of a row is computed alike for every row (on CPU ranks checked bitwise:
+``tests/kernels/test_batch_invariant.py``; the add+norm kernel's launch shapes on a GPU: not yet).
+
 Functional collectives carry it, so it also runs on gloo (CPU tests; the add+norm then uses its
 torch path) and is capturable in a CUDA graph where NCCL is.
 """
@@ -22,7 +27,8 @@ from typing import Optional
 
 import torch
 
-from weave_compile.rows import all_gather_rows, group_size_rank, pad_rows, reduce_scatter_rows, rows_of_rank
+from weave_compile.rows import (all_gather_rows, group_size_rank, ordered_sum_rows, pad_rows, reduce_scatter_rows,
+                                rows_of_rank)
 
 from .registry import Implementation, Site
 from .shared import addnorm
@@ -36,7 +42,10 @@ def fused_allreduce_rmsnorm_nccl(rows: Rows, spec: FusedSpec) -> tuple[torch.Ten
     T, H = x.shape
     S = math.ceil(T / world_size)
     n_mine = rows_of_rank(T, S, rank)
-    acc_in = reduce_scatter_rows(pad_rows(x, S * world_size), spec.group_name, world_size)  # [S, H], x dtype
+    if spec.batch_invariant:  # rank order in fp32, rounded once to x's dtype: the add+norm reads it as it is
+        acc_in = ordered_sum_rows(pad_rows(x, S * world_size), spec.group_name, world_size).to(x.dtype)
+    else:
+        acc_in = reduce_scatter_rows(pad_rows(x, S * world_size), spec.group_name, world_size)  # [S, H], x dtype
     if residual is not None and not spec.residual_in_sharded:
         residual = residual[rank * S:rank * S + n_mine]
     normed_shard = torch.empty((S, H), dtype=spec.out_dtype, device=x.device)
@@ -59,4 +68,5 @@ def _check(site: Site) -> Optional[str]:
 
 IMPLEMENTATION = Implementation(
     "nccl", "NCCL reduce-scatter, the few-CTA add+norm kernel, NCCL all-gather (the overlap baseline)",
-    _check, fused_allreduce_rmsnorm_nccl, takes_scale=True, takes_eps_tensor=True, gpu_fallback=True)
+    _check, fused_allreduce_rmsnorm_nccl, takes_scale=True, takes_eps_tensor=True, gpu_fallback=True,
+    batch_invariant=True)

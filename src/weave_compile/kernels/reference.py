@@ -3,7 +3,8 @@
 :func:`reference_impl` is reduce-scatter over token rows -> add -> RMSNorm on this rank's rows ->
 all-gather, with functional collectives (gloo on CPU, NCCL on GPU). It runs wherever a process
 group does, takes every argument of the op (a scale, an eps tensor), and is what every other
-implementation falls back to.
+implementation falls back to. With ``batch_invariant`` the reduce-scatter is an all-to-all and the
+partial sums are added in rank order in fp32 (:func:`weave_compile.rows.ordered_sum_rows`).
 
 :func:`allreduce_add_rmsnorm_ref` is the one float64 oracle of the op's contract (see
 ``ops/allreduce_rmsnorm.py``), computed in one process from every rank's partial
@@ -16,7 +17,8 @@ from typing import Optional
 
 import torch
 
-from weave_compile.rows import all_gather_rows, group_size_rank, norm_rows, pad_rows, reduce_scatter_rows, rows_per_rank
+from weave_compile.rows import (all_gather_rows, group_size_rank, norm_rows, ordered_sum_rows, pad_rows,
+                                reduce_scatter_rows, rows_per_rank)
 
 from .registry import Implementation
 from .spec import FusedSpec, Rows
@@ -30,7 +32,10 @@ def reference_impl(rows: Rows, spec: FusedSpec) -> tuple[torch.Tensor, torch.Ten
     per_rank = rows_per_rank(total, world_size)
     padded = per_rank * world_size
 
-    acc = reduce_scatter_rows(pad_rows(x, padded), spec.group_name, world_size).float()
+    if spec.batch_invariant:
+        acc = ordered_sum_rows(pad_rows(x, padded), spec.group_name, world_size)
+    else:
+        acc = reduce_scatter_rows(pad_rows(x, padded), spec.group_name, world_size).float()
     if rows.scale is not None:
         acc = acc * rows.scale.float()
     if rows.bias is not None:
@@ -57,7 +62,7 @@ def reference_impl(rows: Rows, spec: FusedSpec) -> tuple[torch.Tensor, torch.Ten
 
 IMPLEMENTATION = Implementation(
     "reference", "reduce-scatter, add + RMSNorm on this rank's rows, all-gather (functional collectives)",
-    lambda site: None, reference_impl, takes_scale=True, takes_eps_tensor=True, fallback=True)
+    lambda site: None, reference_impl, takes_scale=True, takes_eps_tensor=True, fallback=True, batch_invariant=True)
 
 
 # ----------------------------------------------------------------------------- float64 oracle

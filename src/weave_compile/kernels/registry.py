@@ -68,6 +68,7 @@ class Site:
     out_in_place: bool = False  # outputs may stay in the symmetric output ring (option)
     comm_ctas: Optional[int] = None  # the thread blocks the op will run with (None: the default)
     terms: Optional[NormTerms] = None  # None: unknown (a reservation then covers every case)
+    batch_invariant: bool = False  # the option: only implementations that claim it may run here
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +107,10 @@ class Implementation:
     takes_scale: bool = False  # multiplies the reduced sum by a 0-d ``scale``
     takes_eps_tensor: bool = False  # reads eps from a 0-d device tensor (the others read it on the host)
     takes_out_slot: bool = False  # can leave ``normed`` in a slot of the symmetric output ring
+    #: With the op's ``batch_invariant`` set, adds the ranks' partial sums of a row in rank order
+    #: (0, 1, ..., N-1) in fp32 and computes the rest of the row as for any other row: a row's
+    #: outputs are then the same whatever T, the other rows, the launch and the owning rank.
+    batch_invariant: bool = False
     #: The implementation every other falls back to off GPUs, and the oracle (exactly one is
     #: registered); on a GPU it runs only where forced (its body is eager torch ops).
     fallback: bool = False

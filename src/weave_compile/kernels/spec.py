@@ -44,6 +44,7 @@ class FusedSpec:
     comm_ctas: int = DEFAULT_COMM_CTAS
     out_slot: int = -1
     beside_compute: bool = False
+    batch_invariant: bool = False  # add the partial sums in rank order in fp32 (ops/allreduce_rmsnorm.py)
 
     def __post_init__(self) -> None:
         for name in ("residual_dtype", "out_dtype"):

@@ -68,6 +68,7 @@ def _arguments(
     scale: Optional[torch.Tensor] = None,
     eps_tensor: Optional[torch.Tensor] = None,
     out_slot: int = -1,
+    batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The one definition of the fused op's arguments (never called).
 
@@ -85,6 +86,9 @@ def _arguments(
     result is then a view of memory the next call on that slot overwrites (on every rank), which
     is only correct where :mod:`weave_compile.passes.output_in_place` proved every reader runs
     before that call. -1 (and every other implementation): a fresh tensor.
+    ``batch_invariant``: add the ranks' partial sums in rank order (0, 1, ..., N-1) in fp32, so a
+    row's outputs do not depend on the token count, the other rows or the rank that owns it; only
+    implementations that claim it (``Implementation.batch_invariant``) are given it.
     """
     raise NotImplementedError
 
@@ -112,6 +116,10 @@ def _call(a: dict[str, Any], beside_compute: bool) -> tuple[torch.Tensor, torch.
     """The op on its arguments by name; ``beside_compute``: it runs beside other work (the start op)."""
     # A name, or a table by token count (the measured choice): ValueError naming the valid ones.
     impl = auto.implementation_for(a["kernel"], num_rows(a["x"]))
+    if a["batch_invariant"] and not impl.batch_invariant:
+        raise ValueError(f"weave::allreduce_add_rmsnorm: kernel {impl.name!r} does not add the partial sums in a "
+                         f"fixed order (batch_invariant); those that do: "
+                         f"{[e.name for e in kernels.implementations() if e.batch_invariant]}")
     if a["scale"] is not None and not impl.takes_scale:
         raise ValueError(f"weave::allreduce_add_rmsnorm: kernel {impl.name!r} is one of those that take no scale "
                          f"({[e.name for e in kernels.implementations() if not e.takes_scale]})")
@@ -126,7 +134,8 @@ def _call(a: dict[str, Any], beside_compute: bool) -> tuple[torch.Tensor, torch.
     spec = FusedSpec(residual_dtype=a["residual_dtype"], out_dtype=a["out_dtype"], eps=eps,
                      group_name=a["group_name"], mid_dtype=a["mid_dtype"], weight_offset=a["weight_offset"],
                      residual_in_sharded=a["residual_in_sharded"], residual_out_sharded=a["residual_out_sharded"],
-                     comm_ctas=a["comm_ctas"], out_slot=a["out_slot"], beside_compute=beside_compute)
+                     comm_ctas=a["comm_ctas"], out_slot=a["out_slot"], beside_compute=beside_compute,
+                     batch_invariant=a["batch_invariant"])
     rows = Rows.of(a["x"], a["residual"], a["bias"], a["weight"], a["scale"], eps_tensor)
     return rows.restore(*_run(impl, rows, spec), spec.residual_out_sharded)
 

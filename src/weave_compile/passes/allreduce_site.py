@@ -117,7 +117,7 @@ class SiteMatch:
         """Norm intermediates other readers keep alive after :meth:`replace_with` (e.g. 1/rms)."""
         return [n.name for n in self.norm.nodes if n.users and n is not self.norm.out]
 
-    def replace_with(self, fake_mode, *, kernel: str, comm_ctas: int) -> fx.Node:
+    def replace_with(self, fake_mode, *, kernel: str, comm_ctas: int, batch_invariant: bool = False) -> fx.Node:
         """Fused ``all_reduce -> ... -> RMSNorm`` into
         ``normed, residual_out = weave.allreduce_add_rmsnorm(x, residual, bias, w, eps, group, ...)``
         right after :attr:`anchor`: the norm's readers (a reduce-scatter site: the all-gather's)
@@ -159,7 +159,7 @@ class SiteMatch:
                 weight_offset=self.norm.weight_offset,
                 # A reduce-scatter site's residual is the model's shard, and stays one.
                 residual_in_sharded=c.scatters and residual is not None, residual_out_sharded=c.scatters,
-                kernel=kernel, comm_ctas=comm_ctas, scale=scale, eps_tensor=eps_node,
+                kernel=kernel, comm_ctas=comm_ctas, scale=scale, eps_tensor=eps_node, batch_invariant=batch_invariant,
             )
         with graph.inserting_after(fused):
             normed = getitem_with_meta(graph, fused, 0)

@@ -121,7 +121,8 @@ def site_of(m: SiteMatch, config: TokenWeaveConfig, split: bool = False) -> kern
         has_scale=m.scale is not None,
         # A tensor eps reaches the op on the site's device (allreduce_site.eps_on_device).
         eps_on_device=isinstance(eps, fx.Node) and (val(eps).device.type != "cpu" or tx.device.type != "cpu"),
-        out_in_place=config.output_in_place, comm_ctas=config.comm_ctas, terms=_terms(m))
+        out_in_place=config.output_in_place, comm_ctas=config.comm_ctas, terms=_terms(m),
+        batch_invariant=config.batch_invariant)
 
 
 def _terms(m: SiteMatch) -> kernels.NormTerms:
@@ -170,7 +171,10 @@ class FuseAllReduceRMSNormPass(WeavePass):
 
     def _fuse(self, m: SiteMatch, site: SiteReport, fake_mode, split: bool, chooser: Chooser) -> None:
         where = site_of(m, self.config, split)
-        kernel, kernel_reason, reserve = chooser(m.collective.node.name, where)
+        try:
+            kernel, kernel_reason, reserve = chooser(m.collective.node.name, where)
+        except auto.BatchInvariantError as e:
+            raise auto.BatchInvariantError(f"{m.collective.node.name}: {e}") from None
         if kernel == auto.AS_WRITTEN:
             raise NoMatch(f"left as written: {kernel_reason}")
         if reserve:
@@ -180,7 +184,8 @@ class FuseAllReduceRMSNormPass(WeavePass):
             for impl, top in auto.reservations(kernel, where):
                 if impl.reserve is not None:
                     impl.reserve(dataclasses.replace(where, size_hint=top))
-        fused = m.replace_with(fake_mode, kernel=kernel, comm_ctas=self.config.comm_ctas)
+        fused = m.replace_with(fake_mode, kernel=kernel, comm_ctas=self.config.comm_ctas,
+                               batch_invariant=self.config.batch_invariant)
         fused.meta[SITE_KEY] = m.collective.node.name
         if m.collective.scatters:
             fused.meta[MODEL_SHARDED_KEY] = True

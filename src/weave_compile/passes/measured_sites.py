@@ -79,7 +79,7 @@ def signature_of(node: fx.Node, site: Site) -> Signature:
         eps_on_device=a["eps_tensor"] is not None, residual_in_sharded=bool(a["residual_in_sharded"]),
         residual_out_sharded=bool(a["residual_out_sharded"]), sequence_parallel=site.sequence_parallel,
         split=is_call(node, START_OP), beside=gemms_beside(node) if is_call(node, START_OP) else (),
-        comm_ctas=int(a["comm_ctas"]), out_slot=int(a["out_slot"]) >= 0,
+        comm_ctas=int(a["comm_ctas"]), batch_invariant=bool(a["batch_invariant"]), out_slot=int(a["out_slot"]) >= 0,
         tokens=tokens, token_range=None if static else site.token_range)
 
 

@@ -198,7 +198,7 @@ class WeavePassManager(CustomGraphPass):
 def _measured_options(config: TokenWeaveConfig) -> dict:
     """The options that shape the op or its timing: part of every measured-choice cache key."""
     return {k: getattr(config, k) for k in ("comm_ctas", "split", "shard_residual", "output_in_place", "mode",
-                                             "compiler", "fuse")}
+                                             "compiler", "fuse", "batch_invariant")}
 
 
 def _measured_chooser(fuse, outcomes: list[tuple]):
@@ -217,8 +217,12 @@ def _measured_chooser(fuse, outcomes: list[tuple]):
             kernel, why, reserve = fuse._choose(name, where)
             return kernel, f"{why} (measured choice: {o.source})", reserve
         if not o.answer["fused"]:
-            return auto.AS_WRITTEN, f"measured ({o.source}): {o.answer['reason']}", False
-        return o.kernel(req.sites[name]), measured.site_reason(o, req.sites[name]), True
+            kernel, why = auto.AS_WRITTEN, f"measured ({o.source}): {o.answer['reason']}"
+        else:
+            kernel, why = o.kernel(req.sites[name]), measured.site_reason(o, req.sites[name])
+        if where.batch_invariant:  # only invariant candidates competed; as written: only where invariant
+            kernel, why = auto.invariant(kernel, why, where)
+        return kernel, why, kernel != auto.AS_WRITTEN
 
     return chooser
 

@@ -93,6 +93,23 @@ def test_per_bucket_winners_make_a_table_and_ties_go_to_the_earlier_candidate():
     assert choice.site_kernel(got, [k]) == "by_tokens:nccl<=1,p2p"
 
 
+def test_batch_invariant_gives_each_site_one_design_for_every_bucket():
+    """``one_design``: the design with the least time summed over the buckets, everywhere (a row
+    must not change implementation with the token count), ties to the earlier candidate."""
+    a = sig(token_range=(1, 4))
+    k = a.key()
+    t = table({("nccl", k, 1): (5, 0), ("reference", k, 1): (7, 0), (AS_WRITTEN, k, 1): (50, 0),
+               ("nccl", k, 2): (7, 0), ("reference", k, 2): (6, 0), (AS_WRITTEN, k, 2): (50, 0),
+               ("nccl", k, 4): (9, 0), ("reference", k, 4): (6, 0), (AS_WRITTEN, k, 4): (50, 0)})
+    assert choice.site_kernel(choice.decide(t, {k: a}, [[k]], ["nccl", "reference", AS_WRITTEN]), [k]) \
+        == "by_tokens:nccl<=1,reference"  # per bucket, without the option
+    got = choice.decide(t, {k: a}, [[k]], ["nccl", "reference", AS_WRITTEN], one_design=True)
+    assert got["fused"] and choice.site_kernel(got, [k]) == "reference"  # 19 us over the buckets against 21
+    tie = table({(d, k, b): (5, 0) for d in ("nccl", "reference") for b in (1, 2, 4)})
+    assert choice.site_kernel(choice.decide(tie, {k: a}, [[k]], ["reference", "nccl"], one_design=True), [k]) \
+        == "reference"
+
+
 def test_under_the_split_the_halves_decide_together_and_the_site_as_written_is_no_candidate():
     pre, suf = sig(tokens=1024, split=True), sig(tokens=3072, split=True)
     t = table({("p2p", pre.key(), 1024): (10, 0), ("ce", pre.key(), 1024): (12, 0),

@@ -117,7 +117,7 @@ def candidates_for(req: Request) -> list[str]:
     """The designs that may compete before anything collective runs: every registered design that
     takes what the sites need; on CUDA not the eager ``reference`` chain (the CPU path and the
     oracle, measured 1.1-1.7x plain Inductor's time: docs/performance.md), then the site as written."""
-    from ..auto import takes
+    from ..auto import takes, written_invariant
 
     device = next(iter(req.where.values())).device
     out = []
@@ -126,7 +126,9 @@ def candidates_for(req: Request) -> list[str]:
             continue
         if all(takes(impl, site) is None for site in req.where.values()):
             out.append(impl.name)
-    return out + ([AS_WRITTEN] if req.written_competes else [])
+    # batch_invariant: the site as written only where it is invariant too (two ranks)
+    written = req.written_competes and (not req.options.get("batch_invariant") or written_invariant(len(req.ranks)))
+    return out + ([AS_WRITTEN] if written else [])
 
 
 def _digest(req: Request, candidates: list[str]) -> str:
@@ -268,7 +270,8 @@ def _measure(req: Request, cands: list[str], meeting: rendezvous.Meeting) -> tup
     if written is not None:
         written.release()
     table = choice.settle(meeting.exchange("stats", local), competing)
-    answer = choice.decide(table, sigs, [[s.key() for s in ss] for ss in req.sites.values()], competing)
+    answer = choice.decide(table, sigs, [[s.key() for s in ss] for ss in req.sites.values()], competing,
+                           one_design=bool(req.options.get("batch_invariant")))
     answer["excluded"] = excluded
     answer["checked"] = "skipped: the fake process group's collectives move nothing" if fake else "float64 oracle"
     return answer, _free_losers(reserved, choice.used(answer), held, barrier)

@@ -59,10 +59,12 @@ def site_key(sig_keys: list[str]) -> str:
 
 
 def decide(table: Stats, sigs: dict[str, Signature], sites: list[list[str]], candidates: list[str],
-           min_gain: float = MIN_GAIN) -> dict:
+           min_gain: float = MIN_GAIN, one_design: bool = False) -> dict:
     """The answer for a graph's sites (module doc). ``sites``: each site's signature keys;
     ``candidates``: the fused designs that passed the check, in tie order, then (where it competes)
-    :data:`AS_WRITTEN`."""
+    :data:`AS_WRITTEN`. ``one_design`` (``batch_invariant``): each site one design at every bucket,
+    the one with the least time summed over them (designs that round alike, but a row must not
+    change implementation with the token count)."""
     designs = [c for c in candidates if c != AS_WRITTEN and c in table]
     written = AS_WRITTEN in candidates and AS_WRITTEN in table
 
@@ -86,6 +88,12 @@ def decide(table: Stats, sigs: dict[str, Signature], sites: list[list[str]], can
                     best = (sum(times), d)
             if best is not None:
                 per_bucket[b] = best[1]
+        if one_design and per_bucket:
+            total = {d: sum(med(d, k, b) or 0.0 for b in per_bucket for k in keys if int(b) in sigs[k].buckets())
+                     for d in designs if all(med(d, k, b) is not None for b in per_bucket
+                                             for k in keys if int(b) in sigs[k].buckets())}
+            best = min(total, key=lambda d: (total[d], designs.index(d))) if total else None
+            per_bucket = {b: best for b in per_bucket} if best else {}
         winners[site_key(keys)] = per_bucket
     answer = {"winners": winners, "times": table, "candidates": candidates, "checks": {}}
     if any(not w for w in winners.values()):

@@ -72,6 +72,7 @@ class Signature:
     #: between the op's start and its wait), as ``(rows, K, N)``; rows None: the half's token count
     beside: tuple[tuple[Optional[int], int, int], ...] = ()
     comm_ctas: int = 32
+    batch_invariant: bool = False  # the op adds the partial sums in rank order (another reduction)
     out_slot: bool = False  # the op may leave its output in the symmetric output ring
     tokens: Optional[int] = None  # static token count; None: symbolic
     token_range: Optional[tuple[int, Optional[int]]] = None  # of a symbolic count, as bounded

@@ -172,7 +172,8 @@ def fused_runner(design: str, sig: Signature, group_name: str, inp: Inputs) -> C
         residual_dtype=dtype_of(sig.residual_dtype), out_dtype=dtype_of(sig.out_dtype),
         mid_dtype=dtype_of(sig.mid_dtype), weight_offset=sig.weight_offset,
         residual_in_sharded=sig.residual_in_sharded, residual_out_sharded=sig.residual_out_sharded,
-        kernel=design, comm_ctas=sig.comm_ctas, scale=inp.scale, eps_tensor=inp.eps_tensor)
+        kernel=design, comm_ctas=sig.comm_ctas, scale=inp.scale, eps_tensor=inp.eps_tensor,
+        batch_invariant=sig.batch_invariant)
 
     def call():
         out = op(inp.x, **kwargs)
