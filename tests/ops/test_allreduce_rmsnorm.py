@@ -132,9 +132,10 @@ def test_one_schema_for_the_fused_op_and_its_async_form():
     for op in (FUSED_OP, START_OP):
         assert tuple(a.name for a in op._schema.arguments) == ARG_NAMES
         assert [str(a.type) for a in op._schema.arguments] == [str(a.type) for a in FUSED_OP._schema.arguments]
-    assert ARG_NAMES[-3:] == ("scale", "eps_tensor", "out_slot")
-    assert all(arg.has_default_value() for arg in FUSED_OP._schema.arguments[-3:])
-    assert FUSED_OP._schema.arguments[-1].default_value == -1  # a fresh output unless a pass says so
+    assert ARG_NAMES[-4:] == ("scale", "eps_tensor", "out_slot", "batch_invariant")
+    assert all(arg.has_default_value() for arg in FUSED_OP._schema.arguments[-4:])
+    assert FUSED_OP._schema.arguments[-2].default_value == -1  # a fresh output unless a pass says so
+    assert FUSED_OP._schema.arguments[-1].default_value is False  # the collective's own order unless asked
     assert [a.name for a in WAIT_OP._schema.arguments] == ["normed", "residual_out", "keep_alive"]
     assert WAIT_OP._schema.arguments[0].alias_info.is_write  # readers are ordered after it
 
