@@ -20,21 +20,6 @@ INTERFERENCE_SOURCE = "no interference row measured on today's kernels (run benc
 
 INTERFERENCE = {}
 
-FLOOR_SOURCE = 'NVIDIA H200 results/floor.csv, fake process group (communication free), worst of gemma2, granite, llama, llama_bias, mixtral, commits 493f441'
+FLOOR_SOURCE = "not measured on today's kernels (run benchmarks/bench_floor.py, then this script)"
 
-FLOOR = {(2, 4096): {1: {'nccl': 1.1786, 'reference': 1.1745},
-             16: {'nccl': 1.0081, 'reference': 1.0537},
-             128: {'nccl': 1.0281, 'reference': 1.1336},
-             512: {'nccl': 1.155, 'reference': 1.3345},
-             1024: {'nccl': 1.0169, 'reference': 1.2317},
-             4096: {'nccl': 1.012, 'reference': 1.1753},
-             8192: {'nccl': 1.0161, 'reference': 1.1547},
-             16384: {'nccl': 1.0034, 'reference': 1.103}},
- (2, 8192): {1: {'nccl': 1.0752},
-             16: {'nccl': 1.0699},
-             128: {'nccl': 1.0848},
-             512: {'nccl': 1.0281},
-             1024: {'nccl': 1.0387},
-             4096: {'nccl': 1.0395},
-             8192: {'nccl': 1.0507},
-             16384: {'nccl': 1.0336}}}
+FLOOR = {}

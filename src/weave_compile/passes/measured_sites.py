@@ -76,4 +76,4 @@ def signature_of(node: fx.Node, site: Site) -> Signature:
         eps_on_device=a["eps_tensor"] is not None, residual_in_sharded=bool(a["residual_in_sharded"]),
         residual_out_sharded=bool(a["residual_out_sharded"]), sequence_parallel=site.sequence_parallel,
         split=is_call(node, START_OP), comm_ctas=int(a["comm_ctas"]), out_slot=int(a["out_slot"]) >= 0,
-        tokens=tokens, token_range=None if static else site.token_range)
+        tokens=tokens, token_range=None if static else site.token_range, norm=a["norm"], norm_bias=dt(a["norm_bias"]))
