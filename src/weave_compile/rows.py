@@ -4,7 +4,7 @@ The fused op's contract (:mod:`weave_compile.ops.allreduce_rmsnorm`) splits the 
 (the flattened leading dims of ``x``) into ``S = ceil(T / N)`` rows per rank, padded with zero
 rows; rank ``r`` owns rows ``[r*S, (r+1)*S)``. These helpers are that bookkeeping, the
 reduce-scatter / all-gather of rows with functional collectives (gloo on CPU, NCCL on GPU) and
-the RMSNorm of already-reduced rows in torch ops. The op layer and every implementation in
+the RMSNorm or LayerNorm of already-reduced rows in torch ops. The op layer and every implementation in
 :mod:`weave_compile.kernels` use them; this module imports neither.
 """
 
@@ -85,6 +85,11 @@ def all_gather_rows(rows: torch.Tensor, group_name: str, world_size: int) -> tor
     return torch.ops._c10d_functional.wait_tensor(out)
 
 
+#: The norms the fused op computes (its ``norm`` argument): RMSNorm, and LayerNorm (the row's mean
+#: subtracted, the variance taken of the centred row).
+NORMS = ("rmsnorm", "layernorm")
+
+
 def norm_rows(
     res: torch.Tensor,
     weight: Optional[torch.Tensor],
@@ -92,14 +97,25 @@ def norm_rows(
     out_dtype: torch.dtype,
     mid_dtype: Optional[torch.dtype],
     weight_offset: float,
+    norm: str = "rmsnorm",
+    norm_bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """RMSNorm of already-reduced rows in float32, following the contract's cast order.
+    """RMSNorm (or LayerNorm: ``norm="layernorm"``) of already-reduced rows in float32, following
+    the contract's cast order; ``norm_bias`` is added after the weight.
 
-    ``eps`` is a number or a 0-d tensor."""
+    ``eps`` is a number or a 0-d tensor. The LayerNorm's variance is the mean of the centred row's
+    squares (two passes over the row), not E[x^2] - mean^2, which cancels where the mean is large
+    against the spread."""
     r = res.float()
+    if norm == "layernorm":
+        r = r - r.mean(-1, keepdim=True)
+    elif norm != "rmsnorm":
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
     y = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + eps)
     if mid_dtype is not None:
         y = y.to(mid_dtype).float()
     if weight is not None:
         y = y * (weight.float() + weight_offset)
+    if norm_bias is not None:
+        y = y + norm_bias.float()
     return y.to(out_dtype)

@@ -521,3 +521,31 @@ def test_without_interference_measurements_the_split_runs_the_gpu_fallback(symm,
     kernel, why = auto.choose("auto", site(num_tokens=4096, split=True))
     assert kernel == "nccl" and "no interference measured at world size 2" in why
     assert "the split needs a fused op" in why
+
+
+# ----------------------------------------------------------------------------- LayerNorm sites
+
+
+def test_only_the_implementations_that_take_a_layernorm_are_handed_one(symm, tables):
+    assert {e.name for e in registry.implementations() if e.takes_layernorm} == {"reference", "nccl"}
+    cpu_ln = site(device=torch.device("cpu"), norm="layernorm")
+    for name in ("p2p", "ce", "oneshot", "multimem"):
+        why = auto.takes(registry.get(name), cpu_ln)
+        assert why == "LayerNorm site: only reference, nccl compute a LayerNorm (the others RMSNorm only)", name
+        assert auto.takes(registry.get(name), site(device=torch.device("cpu"))) is None, name
+        # Forced on CPU ranks: the CPU path, which takes it, with the reason for explain().
+        kernel, reason = auto.choose(name, cpu_ln)
+        assert kernel == "reference" and f"requested {name!r} unavailable: LayerNorm site" in reason, reason
+    assert auto.takes(registry.get("nccl"), cpu_ln) is None  # (its compile-time check wants CUDA)
+    assert auto.choose("auto", cpu_ln)[0] == "reference"
+
+
+def test_a_layernorm_site_on_a_gpu_stays_as_written_with_why(symm, tables, ready):
+    ready("oneshot")
+    ln = site(norm="layernorm", num_tokens=4096, size_hint=4096)
+    kernel, reason = auto.choose("p2p", ln)
+    assert kernel == AS_WRITTEN, reason
+    assert "LayerNorm site: only reference, nccl compute a LayerNorm" in reason
+    assert "the shared add+norm kernel has no LayerNorm variant yet" in reason  # nccl, the GPU fallback
+    kernel, reason = auto.choose("auto", ln)
+    assert kernel == AS_WRITTEN and "LayerNorm" in reason, reason

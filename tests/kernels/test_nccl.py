@@ -81,3 +81,63 @@ def test_nccl_kernel_matches_float64(world):
                 assert res.shape == (per, H) and torch.all(res[n:] == 0)
             else:
                 torch.testing.assert_close(res.double(), acc, **TOL[dt])
+
+
+# ----------------------------------------------------------------------------- LayerNorm
+
+LN_CASES = [
+    # (T, H, dtype, residual, bias, weight, norm_bias, in_sharded, out_sharded)
+    (5, 24, torch.float32, True, False, True, True, False, False),
+    (9, 40, torch.bfloat16, True, True, True, True, True, True),
+    (3, 32, torch.float32, False, False, False, False, False, True),
+    (11, 48, torch.bfloat16, True, False, True, False, False, False),
+]
+
+
+def _ln_inputs(case, seed, world):
+    T, H, dt, has_res, has_bias, has_w, has_nb, *_ = case
+    g = torch.Generator().manual_seed(seed)
+    # In fp32 a large common offset: a variance taken as E[x^2] - mean^2 would cancel there. (In
+    # bf16 the reduced sum's own rounding at that magnitude, an ulp of 0.25, would dominate.)
+    offset = 50.0 if dt == torch.float32 else 0.0
+    partials = [(torch.randn(T, H, generator=g) + offset / world).to(dt) for _ in range(world)]
+    residual = torch.randn(T, H, generator=g).to(dt) if has_res else None
+    bias = torch.randn(H, generator=g).to(dt) if has_bias else None
+    weight = (1 + 0.1 * torch.randn(H, generator=g)).to(dt) if has_w else None
+    norm_bias = (0.1 * torch.randn(H, generator=g)).to(dt) if has_nb else None
+    return partials, residual, bias, weight, norm_bias
+
+
+def _run_ln(rank, world, seed):
+    from weave_compile.ops import allreduce_add_rmsnorm as op
+
+    outs = {}
+    for kernel in ("reference", "nccl"):
+        for i, case in enumerate(LN_CASES):
+            T, _, dt, *_, in_sh, out_sh = case
+            partials, residual, bias, weight, norm_bias = _ln_inputs(case, seed + i, world)
+            per = rows_per_rank(T, world)
+            if in_sh and residual is not None:
+                residual = torch.nn.functional.pad(residual, (0, 0, 0, per * world - T))[rank * per:(rank + 1) * per]
+            outs[kernel, i] = op(partials[rank], residual, bias, weight, 1e-5, "0", dt, dt, None, 0.0, in_sh, out_sh,
+                                 kernel, 4, norm="layernorm", norm_bias=norm_bias)
+    return outs
+
+
+def test_layernorm_of_reference_and_nccl_matches_float64():
+    seed = random.randrange(2**31)
+    results = assert_ranks_ok(run_ranks(_run_ln, 2, args=(seed,), timeout=240))
+    for i, case in enumerate(LN_CASES):
+        T, _, dt, *_, out_sh = case
+        partials, residual, bias, weight, norm_bias = _ln_inputs(case, seed + i, 2)
+        y, acc = allreduce_add_rmsnorm_ref(partials, residual, bias, weight, eps=1e-5, norm="layernorm",
+                                           norm_bias=norm_bias)
+        per = rows_per_rank(T, 2)
+        for rank, outs in enumerate(results):
+            for kernel in ("reference", "nccl"):
+                normed, res = outs[kernel, i]
+                where = f"seed {seed} case {i} {kernel} rank {rank}"
+                torch.testing.assert_close(normed.double(), y, **TOL[dt], msg=lambda m, where=where: f"{where}: {m}")
+                n = max(0, min(per, T - rank * per))
+                got = res[:n] if out_sh else res[rank * per:rank * per + n]
+                torch.testing.assert_close(got.double(), acc[rank * per:rank * per + n], **TOL[dt])

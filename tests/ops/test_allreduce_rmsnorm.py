@@ -132,9 +132,10 @@ def test_one_schema_for_the_fused_op_and_its_async_form():
     for op in (FUSED_OP, START_OP):
         assert tuple(a.name for a in op._schema.arguments) == ARG_NAMES
         assert [str(a.type) for a in op._schema.arguments] == [str(a.type) for a in FUSED_OP._schema.arguments]
-    assert ARG_NAMES[-4:] == ("scale", "eps_tensor", "out_slot", "batch_invariant")
-    assert all(arg.has_default_value() for arg in FUSED_OP._schema.arguments[-4:])
-    assert FUSED_OP._schema.arguments[-2].default_value == -1  # a fresh output unless a pass says so
+    assert ARG_NAMES[-6:] == ("scale", "eps_tensor", "out_slot", "norm", "norm_bias", "batch_invariant")
+    assert all(arg.has_default_value() for arg in FUSED_OP._schema.arguments[-6:])
+    assert FUSED_OP._schema.arguments[-4].default_value == -1  # a fresh output unless a pass says so
+    assert FUSED_OP._schema.arguments[-3].default_value == "rmsnorm"  # RMSNorm unless a pass says so
     assert FUSED_OP._schema.arguments[-1].default_value is False  # the collective's own order unless asked
     assert [a.name for a in WAIT_OP._schema.arguments] == ["normed", "residual_out", "keep_alive"]
     assert WAIT_OP._schema.arguments[0].alias_info.is_write  # readers are ordered after it
@@ -234,3 +235,12 @@ def test_the_symm_kernels_take_no_scale():
                               residual_dtype=torch.float32, out_dtype=torch.float32, mid_dtype=None,
                               weight_offset=0.0, residual_in_sharded=False, residual_out_sharded=False,
                               kernel="p2p", comm_ctas=8, scale=torch.tensor(2.0))
+
+
+@pytest.mark.parametrize("kernel", ["p2p", "ce", "oneshot", "multimem"])
+def test_the_rmsnorm_only_kernels_take_no_layernorm(kernel):
+    with pytest.raises(ValueError, match=f"kernel '{kernel}' computes RMSNorm only"):
+        allreduce_add_rmsnorm(torch.randn(2, 8), None, None, None, eps=1e-6, group_name="0",
+                              residual_dtype=torch.float32, out_dtype=torch.float32, mid_dtype=None,
+                              weight_offset=0.0, residual_in_sharded=False, residual_out_sharded=False,
+                              kernel=kernel, comm_ctas=8, norm="layernorm")

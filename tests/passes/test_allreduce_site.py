@@ -64,11 +64,7 @@ def test_sites_left_alone_say_why(group, form, reason):
         match_site(_all_reduce(g))
 
 
-_LAYERNORM = "feeds a LayerNorm \\(mean subtracted\\), not an RMSNorm"
-
-
-@pytest.mark.parametrize("form", ["layer_norm_op", "var_mean", "mean_subtracted", "cast_then_var_mean"])
-def test_a_layernorm_after_the_all_reduce_is_named_as_such(group, form):
+def _layernorm_graph(group, form):
     def f(x, res, w, b):
         h = res + wait(ar_op(x, "sum", group))
         if form == "layer_norm_op":
@@ -76,15 +72,42 @@ def test_a_layernorm_after_the_all_reduce_is_named_as_such(group, form):
         if form == "mean_subtracted":
             c = h - h.mean(-1, keepdim=True)
             return c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-5) * w + b
+        if form == "divided_by_std":  # a LayerNorm written with div(sqrt): not the grammar
+            c = h - h.mean(-1, keepdim=True)
+            return c / torch.sqrt(c.pow(2).mean(-1, keepdim=True) + 1e-5) * w + b
         r = h.float() if form == "cast_then_var_mean" else h
-        var, mean = torch.var_mean(r, -1, correction=0, keepdim=True)
+        var, mean = torch.var_mean(r, -1, correction=1 if form == "unbiased" else 0, keepdim=True)
         return (r - mean) * torch.rsqrt(var + 1e-5) * w + b
 
     shapes = [(T, H), (T, H), (H,), (H,)]
     dtype = torch.bfloat16 if form == "cast_then_var_mean" else torch.float32
-    g = make_fx(f, tracing_mode="fake")(*[torch.randn(s, dtype=dtype) for s in shapes]).graph
-    with pytest.raises(NoMatch, match=_LAYERNORM):
-        match_site(_all_reduce(g))
+    return make_fx(f, tracing_mode="fake")(*[torch.randn(s, dtype=dtype) for s in shapes]).graph
+
+
+@pytest.mark.parametrize("form", ["var_mean", "mean_subtracted", "cast_then_var_mean"])
+def test_a_layernorm_after_the_all_reduce_is_matched_with_its_bias_after_the_weight(group, form):
+    g = _layernorm_graph(group, form)
+    _, res, w, b = [n for n in g.nodes if n.op == "placeholder"]
+    m = match_site(_all_reduce(g))
+    assert (m.residual, m.bias, m.norm.weight, m.norm.bias, m.norm.kind) == (res, None, w, b, "layernorm")
+    assert m.describe() == "all_reduce +residual -> layernorm *w +b in fp32"
+    fused = m.replace_with(fake_mode_of(g), kernel="reference", comm_ctas=8)
+    g.lint()
+    args = named_args(fused)
+    assert (args["norm"], args["norm_bias"], args["bias"], args["weight"], args["eps"]) == ("layernorm", b, None, w, 1e-5)
+    assert g.output_node().args[0].args == (fused, 0)
+
+
+@pytest.mark.parametrize("form,reason", [
+    ("layer_norm_op", "a LayerNorm left as one op (aten.native_layer_norm.default), not decomposed"),
+    ("unbiased", "a LayerNorm with an unbiased variance (correction=1)"),
+    ("divided_by_std", "its form is not one the fused op takes"),
+])
+def test_a_layernorm_the_op_does_not_compute_is_named_in_the_users_words(group, form, reason):
+    with pytest.raises(NoMatch) as e:
+        match_site(_all_reduce(_layernorm_graph(group, form)))
+    assert str(e.value).startswith("all_reduce result feeds a LayerNorm the fused op does not compute: ")
+    assert reason in str(e.value)
 
 
 def test_an_rmsnorm_whose_input_is_also_averaged_elsewhere_is_still_matched(group):

@@ -180,7 +180,6 @@ class Negative(nn.Module):
         self.kind = kind
         self.w = nn.Parameter(torch.randn(h, h) / h ** 0.5)
         self.nw = nn.Parameter(torch.randn(h))
-        self.ln = nn.LayerNorm(h)
 
     def norm(self, h):
         return self_norm(h.float(), self.nw, 1e-6).to(h.dtype)
@@ -195,8 +194,9 @@ class Negative(nn.Module):
             dist.all_reduce(y, op=dist.ReduceOp.MAX)
             return self.norm(residual + y)
         dist.all_reduce(y)
-        if self.kind == "layernorm":
-            return self.ln(residual + y)
+        if self.kind == "layernorm_unbiased":  # a LayerNorm the fused op does not compute
+            h = residual + y
+            return (h - h.mean(-1, keepdim=True)) * torch.rsqrt(h.var(-1, keepdim=True) + 1e-5)
         if self.kind == "other_use":  # the all_reduce result itself is returned as well
             return self.norm(residual + y), y * 2
         if self.kind == "op_between":  # an op the rewrite cannot absorb (a float scale it can: below)
@@ -211,7 +211,7 @@ class Negative(nn.Module):
 NEGATIVES = {
     "avg": "reduce op 'avg'",
     "max": "reduce op 'max'",
-    "layernorm": "feeds a LayerNorm (mean subtracted), not an RMSNorm",
+    "layernorm_unbiased": "feeds a LayerNorm the fused op does not compute: a LayerNorm with an unbiased variance",
     "other_use": "users",
     "op_between": "aten.tanh",
     "scale_after_residual": "aten.mul",
@@ -375,3 +375,91 @@ def test_issue_forms_fused_and_match_eager(seed):
             assert res["op_counts"][0]["all_reduce"][1] == 0, res["text"]
             tol = COMPILED_VS_EAGER[torch.bfloat16 if "bfloat16" in dtype else torch.float32]
             assert res["errs"][0] < tol, f"{kind} {dtype}: {res['errs']}"
+
+
+# ----------------------------------------------------------------------------- LayerNorm sites
+
+#: (norm form of testing.models, row-parallel biases, dtype): StarCoder2 / GPT-NeoX's sequential
+#: block (nn.LayerNorm with its bias), OLMo's (no affine, fp32 upcast), Cohere's (hand-written).
+LN_FORMS = [("layernorm", True, torch.float32), ("layernorm", True, torch.bfloat16),
+            ("olmo", False, torch.bfloat16), ("cohere", False, torch.float32), ("cohere", True, torch.bfloat16)]
+
+
+class LayerNormBlock(nn.Module):
+    """A row-parallel output reduced by funcol or by DTensor (Partial -> Replicate) on the TP dim of
+    a 2-D mesh, + residual -> nn.LayerNorm."""
+
+    def __init__(self, h, via, tp_mesh):
+        super().__init__()
+        self.via, self.mesh = via, tp_mesh
+        self.w = nn.Parameter(torch.randn(h, h) / h ** 0.5)
+        self.ln = nn.LayerNorm(h)
+        with torch.no_grad():
+            self.ln.weight.add_(0.1 * torch.randn(h))
+            self.ln.bias.add_(0.1 * torch.randn(h))
+
+    def forward(self, x, residual):
+        import torch.distributed._functional_collectives as funcol
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        if self.via == "funcol":
+            y = funcol.all_reduce(x @ self.w, "sum", self.mesh.get_group())
+        else:
+            y = DTensor.from_local(x @ self.w, self.mesh, [Partial()], run_check=False)
+            y = y.redistribute(self.mesh, [Replicate()]).to_local()
+        return self.ln(residual + y)
+
+
+def _layernorm_sites(rank, world_size, seed, compiler, forms):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = {}
+    for i, (norm, bias, dtype) in enumerate(forms):
+        d = LlamaDims(norm=norm, bias=bias, layers=2)
+        model = TPLlama(d, tp=world_size, rank=rank, group=dist.group.WORLD, seed=seed + i, dtype=dtype)
+        torch.manual_seed(seed + i)
+        tokens = torch.randint(0, d.vocab, (2, 9))
+        out[norm, bias, dtype] = _compile_and_compare(model, [(tokens,)], compiler)
+    if compiler == "aot_eager":
+        # A kernel that computes RMSNorm only, forced: the CPU path instead, and explain() says why.
+        d = LlamaDims(norm="layernorm", bias=True, layers=1)
+        model = TPLlama(d, tp=world_size, rank=rank, group=dist.group.WORLD, seed=seed)
+        out["forced p2p"] = _compile_and_compare(model, [(torch.randint(0, d.vocab, (1, 7)),)], compiler, kernel="p2p")
+        torch.manual_seed(seed)
+        mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
+        x, res = torch.randn(5, 32), torch.randn(5, 32)
+        for via in ("funcol", "dtensor"):
+            out[via] = _compile_and_compare(LayerNormBlock(32, via, mesh["tp"]), [(x, res)], compiler)
+    return out
+
+
+def _assert_layernorm_sites(results, forms):
+    for r in results:
+        for norm, bias, dtype in forms:
+            res = r[norm, bias, dtype]
+            label = f"{norm} bias={bias} {dtype}"
+            expected = expected_fused_sites(LlamaDims(layers=2), WORLD)
+            assert res["matched"] == expected, f"{label}: {res['text']}"
+            assert res["op_counts"][0]["weave.allreduce_add_rmsnorm"] == (0, expected), label
+            assert all(" -> layernorm" in reason for _, reason, _ in res["sites"]), f"{label}: {res['text']}"
+            assert res["errs"][0] < COMPILED_VS_EAGER[dtype], f"{label}: {res['errs']}"
+
+
+def test_layernorm_sites_fused_and_equal_eager_megatron_funcol_dtensor(seed):
+    results = assert_ranks_ok(run_ranks(_layernorm_sites, WORLD, args=(seed, "aot_eager", LN_FORMS), timeout=400))
+    _assert_layernorm_sites(results, LN_FORMS)
+    for r in results:
+        forced = r["forced p2p"]
+        assert forced["matched"] == 3 and forced["errs"][0] < 1e-5, forced["text"]
+        assert "requested 'p2p' unavailable: LayerNorm site: only reference, nccl compute a LayerNorm" in forced["text"]
+        for via in ("funcol", "dtensor"):
+            assert r[via]["matched"] == 1, r[via]["text"]
+            assert "-> layernorm *w +b in fp32" in r[via]["sites"][0][1], r[via]["text"]
+            assert r[via]["errs"][0] < REL_TOL[torch.float32] * 10, r[via]["errs"]
+
+
+@pytest.mark.slow
+def test_layernorm_sites_under_inductor(seed):
+    forms = [("layernorm", True, torch.bfloat16), ("cohere", False, torch.float32)]
+    results = assert_ranks_ok(run_ranks(_layernorm_sites, WORLD, args=(seed, "inductor", forms), timeout=600))
+    _assert_layernorm_sites(results, forms)

@@ -1,9 +1,10 @@
 """Hypothesis-generated TP programs: compiled == eager, and exactly the matchable sites fused.
 
-The programs cover a float scale on the reduced sum, a second reduction added to the first (merged
+The programs cover RMSNorm and LayerNorm (F.layer_norm with and without its bias, Cohere's
+hand-written form), a float scale on the reduced sum, a second reduction added to the first (merged
 when it is a sum over the same group; a max or another group must stay as they are), the reduced
 value also returned (fusable only when the op returns that value), and sequence-parallel programs
-(every layer ``reduce_scatter -> ... -> RMSNorm -> all_gather`` with the residual kept as this
+(every layer ``reduce_scatter -> ... -> norm -> all_gather`` with the residual kept as this
 rank's rows, as torchtitan's plan and Megatron-SP write it).
 
 Hypothesis runs *inside* the 2 ranks. Both ranks use the same seed (drawn fresh in the test
@@ -30,7 +31,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
-    norm: str  # hf | functional | gemma | noweight | layernorm
+    norm: str  # hf | functional | gemma | noweight | layernorm | layernorm_bias | cohere
     bias: bool
     residual: bool
     extra: str  # none | between (breaks the site) | after (does not)
@@ -47,7 +48,7 @@ class LayerSpec:
 
     @property
     def matchable(self) -> bool:
-        return self.norm != "layernorm" and self.extra != "between" and self.reduce_op == "sum"
+        return self.extra != "between" and self.reduce_op == "sum"
 
     def expected_fused(self) -> list:
         """Fused or not for each all_reduce site of this layer, in graph order."""
@@ -87,6 +88,7 @@ class GeneratedTP(nn.Module):
         self.b = nn.ParameterList()
         self.nw = nn.ParameterList()
         self.w2 = nn.ParameterList()
+        self.nb = nn.ParameterList()  # a LayerNorm's bias (after its weight)
         for _ in prog.layers:
             full = torch.randn(h, h, generator=g) / h ** 0.5
             self.w.append(nn.Parameter(full[rank * shard:(rank + 1) * shard].clone()))
@@ -94,14 +96,20 @@ class GeneratedTP(nn.Module):
             self.w2.append(nn.Parameter(full2[rank * shard:(rank + 1) * shard].clone()))
             self.b.append(nn.Parameter(torch.randn(h, generator=g) * 0.1))
             self.nw.append(nn.Parameter(1 + torch.randn(h, generator=g) * 0.1))
+            self.nb.append(nn.Parameter(torch.randn(h, generator=g) * 0.1))
         self.to(prog.dtype)
 
     def _norm(self, spec, i, h):
         eps = self.prog.eps
         if spec.norm == "functional":
             return F.rms_norm(h, (h.shape[-1],), self.nw[i], eps)
-        if spec.norm == "layernorm":
-            return F.layer_norm(h, (h.shape[-1],), self.nw[i], None, eps)
+        if spec.norm in ("layernorm", "layernorm_bias"):
+            return F.layer_norm(h, (h.shape[-1],), self.nw[i], self.nb[i] if spec.norm == "layernorm_bias" else None, eps)
+        if spec.norm == "cohere":  # Cohere's hand-written LayerNorm, in fp32
+            hf = h.float()
+            mean = hf.mean(-1, keepdim=True)
+            var = (hf - mean).pow(2).mean(-1, keepdim=True)
+            return (self.nw[i].float() * ((hf - mean) * torch.rsqrt(var + eps))).to(h.dtype)
         hf = h.float()
         y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
         if spec.norm == "gemma":
@@ -188,7 +196,7 @@ def _strategy(sequence_parallel: bool = False):
 
     layer = st.builds(
         LayerSpec,
-        norm=st.sampled_from(["hf", "functional", "gemma", "noweight", "layernorm"]),
+        norm=st.sampled_from(["hf", "functional", "gemma", "noweight", "layernorm", "layernorm_bias", "cohere"]),
         bias=st.booleans(), residual=st.booleans(),
         extra=st.sampled_from(["none", "none", "between", "after"]),
         collective=st.sampled_from(["inplace", "funcol"]),

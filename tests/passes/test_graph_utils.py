@@ -44,7 +44,8 @@ def test_call_named_then_named_args_round_trip(graph4):
     node = gu.call_named(g, mode, FUSED_OP, **kw)
     # Held positionally in schema order (Inductor's FallbackKernel takes a ``kernel`` parameter).
     assert node.kwargs == {} and len(node.args) == len(ARG_NAMES)
-    assert gu.named_args(node) == {**kw, "scale": None, "eps_tensor": None, "out_slot": -1}  # the defaults filled in
+    assert gu.named_args(node) == {**kw, "scale": None, "eps_tensor": None, "out_slot": -1, "norm": "rmsnorm",
+                                   "norm_bias": None, "batch_invariant": False}  # the defaults filled in
     normed, res_out = node.meta["val"]
     assert normed.shape == (5, 8) and normed.dtype == torch.bfloat16 and res_out.dtype == torch.float32
 

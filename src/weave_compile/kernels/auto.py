@@ -156,6 +156,9 @@ def takes(impl: Implementation, site: Site) -> Optional[str]:
         takers = [e.name for e in registry.implementations() if e.batch_invariant]
         return (f"batch_invariant: only {', '.join(takers)} add the partial sums in a fixed order "
                 "(this one's order may depend on the token count or the rank that owns a row)")
+    if site.norm == "layernorm" and not impl.takes_layernorm:
+        takers = [e.name for e in registry.implementations() if e.takes_layernorm]
+        return f"LayerNorm site: only {', '.join(takers)} compute a LayerNorm (the others RMSNorm only)"
     return None
 
 

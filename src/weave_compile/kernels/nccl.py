@@ -18,6 +18,10 @@ the rows); the rest of a row is computed alike for every row (on CPU ranks check
 
 Functional collectives carry it, so it also runs on gloo (CPU tests; the add+norm then uses its
 torch path) and is capturable in a CUDA graph where NCCL is.
+
+LayerNorm (``takes_layernorm``): the add+norm's torch path computes it; the Triton kernel does
+not yet, so the compile-time check refuses a LayerNorm site on a GPU (it stays as written there,
+with the reason) and takes it on CPU ranks. A direct call on CUDA tensors runs the torch path.
 """
 
 from __future__ import annotations
@@ -55,7 +59,8 @@ def fused_allreduce_rmsnorm_nccl(rows: Rows, spec: FusedSpec) -> tuple[torch.Ten
     addnorm.add_rmsnorm_rows(acc_in, None, residual, rows.bias, rows.weight,
                              None if rows.scale is None else rows.scale.reshape(1), normed_shard, res_shard,
                              n_valid=n_mine, eps=rows.eps(spec), mid_dtype=spec.mid_dtype,
-                             weight_offset=spec.weight_offset, num_ctas=addnorm.ctas_for(spec, S))
+                             weight_offset=spec.weight_offset, num_ctas=addnorm.ctas_for(spec, S),
+                             norm=spec.norm, norm_bias=rows.norm_bias)
     normed = all_gather_rows(normed_shard, spec.group_name, world_size)[:T]
     if spec.residual_out_sharded:
         return normed, res_shard
@@ -63,10 +68,13 @@ def fused_allreduce_rmsnorm_nccl(rows: Rows, spec: FusedSpec) -> tuple[torch.Ten
 
 
 def _check(site: Site) -> Optional[str]:
+    if site.norm == "layernorm" and site.device.type == "cuda":
+        # Compiled work only on GPUs: the add+norm's LayerNorm is its torch path, an eager chain.
+        return "LayerNorm site on a GPU: the shared add+norm kernel has no LayerNorm variant yet (CPU ranks only)"
     return addnorm.unavailable_reason(site.device, (site.dtype, site.residual_dtype, site.out_dtype), site.hidden)
 
 
 IMPLEMENTATION = Implementation(
     "nccl", "NCCL reduce-scatter, the few-CTA add+norm kernel, NCCL all-gather (the overlap baseline)",
-    _check, fused_allreduce_rmsnorm_nccl, takes_scale=True, takes_eps_tensor=True, gpu_fallback=True,
-    batch_invariant=True)
+    _check, fused_allreduce_rmsnorm_nccl, takes_scale=True, takes_eps_tensor=True, takes_layernorm=True,
+    gpu_fallback=True, batch_invariant=True)

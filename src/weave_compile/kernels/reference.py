@@ -2,9 +2,10 @@
 
 :func:`reference_impl` is reduce-scatter over token rows -> add -> RMSNorm on this rank's rows ->
 all-gather, with functional collectives (gloo on CPU, NCCL on GPU). It runs wherever a process
-group does, takes every argument of the op (a scale, an eps tensor), and is what every other
-implementation falls back to. With ``batch_invariant`` the reduce-scatter is an all-to-all and the
-partial sums are added in rank order in fp32 (:func:`weave_compile.rows.ordered_sum_rows`).
+group does, takes every argument of the op (a scale, an eps tensor, a LayerNorm), and is what
+every other implementation falls back to. With ``batch_invariant`` the reduce-scatter is an
+all-to-all and the partial sums are added in rank order in fp32
+(:func:`weave_compile.rows.ordered_sum_rows`).
 
 :func:`allreduce_add_rmsnorm_ref` is the one float64 oracle of the op's contract (see
 ``ops/allreduce_rmsnorm.py``), computed in one process from every rank's partial
@@ -25,7 +26,7 @@ from .spec import FusedSpec, Rows
 
 
 def reference_impl(rows: Rows, spec: FusedSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reduce-scatter -> add -> RMSNorm on this rank's rows -> all-gather; outputs as rows."""
+    """Reduce-scatter -> add -> RMSNorm (or LayerNorm) on this rank's rows -> all-gather; outputs as rows."""
     world_size, rank = group_size_rank(spec.group_name)
     x = rows.x
     total, hidden = x.shape
@@ -47,7 +48,8 @@ def reference_impl(rows: Rows, spec: FusedSpec) -> tuple[torch.Tensor, torch.Ten
             res_rows = pad_rows(rows.residual, padded)[rank * per_rank:(rank + 1) * per_rank]
         acc = acc + res_rows.float()
     res_shard = acc.to(spec.residual_dtype)
-    normed_shard = norm_rows(res_shard, rows.weight, rows.eps(spec), spec.out_dtype, spec.mid_dtype, spec.weight_offset)
+    normed_shard = norm_rows(res_shard, rows.weight, rows.eps(spec), spec.out_dtype, spec.mid_dtype, spec.weight_offset,
+                             spec.norm, rows.norm_bias)
 
     if spec.residual_out_sharded:
         return all_gather_rows(normed_shard, spec.group_name, world_size)[:total], res_shard
@@ -61,8 +63,9 @@ def reference_impl(rows: Rows, spec: FusedSpec) -> tuple[torch.Tensor, torch.Ten
 
 
 IMPLEMENTATION = Implementation(
-    "reference", "reduce-scatter, add + RMSNorm on this rank's rows, all-gather (functional collectives)",
-    lambda site: None, reference_impl, takes_scale=True, takes_eps_tensor=True, fallback=True, batch_invariant=True)
+    "reference", "reduce-scatter, add + RMSNorm or LayerNorm on this rank's rows, all-gather (functional collectives)",
+    lambda site: None, reference_impl, takes_scale=True, takes_eps_tensor=True, takes_layernorm=True, fallback=True,
+    batch_invariant=True)
 
 
 # ----------------------------------------------------------------------------- float64 oracle
@@ -80,13 +83,17 @@ def allreduce_add_rmsnorm_ref(
     residual_dtype: Optional[torch.dtype] = None,
     out_dtype: Optional[torch.dtype] = None,
     mid_dtype: Optional[torch.dtype] = None,
+    norm: str = "rmsnorm",
+    norm_bias: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's contract in float64, from every rank's partial sum (``partials``, each ``[..., H]``).
 
     ``residual`` is the full (unsharded) residual. Returns ``(normed, residual_out)`` as every
     rank sees them after the gather: ``normed`` in ``out_dtype`` (default: the partials' dtype),
     ``residual_out`` in ``residual_dtype`` (default: the residual's dtype, else the partials').
-    Everything is computed in float64 and rounded only where the contract rounds.
+    Everything is computed in float64 and rounded only where the contract rounds. ``norm``:
+    ``"rmsnorm"`` or ``"layernorm"`` (the centred row's mean square as the variance);
+    ``norm_bias`` is added after the weight.
     """
     if not partials:
         raise ValueError("allreduce_add_rmsnorm_ref: partials must hold one tensor per rank")
@@ -102,9 +109,15 @@ def allreduce_add_rmsnorm_ref(
         acc = acc + residual.to(torch.float64)
     res = acc.to(residual_dtype)
     r = res.to(torch.float64)
+    if norm == "layernorm":
+        r = r - r.mean(dim=-1, keepdim=True)
+    elif norm != "rmsnorm":
+        raise ValueError(f"allreduce_add_rmsnorm_ref: norm must be 'rmsnorm' or 'layernorm', got {norm!r}")
     y = r * torch.rsqrt((r * r).mean(dim=-1, keepdim=True) + eps)
     if mid_dtype is not None:
         y = y.to(mid_dtype).to(torch.float64)
     if weight is not None:
         y = y * (weight.to(torch.float64) + weight_offset)
+    if norm_bias is not None:
+        y = y + norm_bias.to(torch.float64)
     return y.to(out_dtype), res

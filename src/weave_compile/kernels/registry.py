@@ -4,7 +4,7 @@ An :class:`Implementation` says everything the rest of the package needs to know
 implementation: its name, why it cannot run at a site (checked at compile time), the workspace it
 reserves at compile time, how it runs (``run(rows, spec)``, at run time), the error it raises when
 its buffers cannot grow now (inside CUDA-graph capture: the op falls back, logged), what it takes
-(a scale, an eps tensor, an output slot), how ``auto`` treats it, and whether it is a fallback:
+(a scale, an eps tensor, an output slot, a LayerNorm), how ``auto`` treats it, and whether it is a fallback:
 :func:`fallback` (``reference``: the CPU path and the oracle) or :func:`gpu_fallback` (``nccl``:
 compiled work, what a CUDA site gets where nothing chosen can run; :mod:`.auto` says when). Everything that lists or
 switches on implementations derives from here: the config's valid ``kernel`` names
@@ -39,6 +39,7 @@ class NormTerms(NamedTuple):
     weight: Optional[torch.dtype]
     mid: Optional[torch.dtype]  # the norm's mid dtype (None: none)
     scale: Optional[torch.dtype]
+    norm_bias: Optional[torch.dtype] = None  # a LayerNorm's bias, added after the weight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,7 @@ class Site:
     #: parallelism): its plain graph already norms this rank's rows only
     sequence_parallel: bool = False
     has_scale: bool = False
+    norm: str = "rmsnorm"  # the site's norm: "rmsnorm" or "layernorm" (``takes_layernorm``)
     eps_on_device: bool = False  # eps is a graph input living on the device
     out_in_place: bool = False  # outputs may stay in the symmetric output ring (option)
     comm_ctas: Optional[int] = None  # the thread blocks the op will run with (None: the default)
@@ -107,6 +109,9 @@ class Implementation:
     takes_scale: bool = False  # multiplies the reduced sum by a 0-d ``scale``
     takes_eps_tensor: bool = False  # reads eps from a 0-d device tensor (the others read it on the host)
     takes_out_slot: bool = False  # can leave ``normed`` in a slot of the symmetric output ring
+    #: computes ``norm="layernorm"`` (the row's mean subtracted, the variance of the centred row)
+    #: and its post-norm bias (``norm_bias``, after the weight); the others compute RMSNorm only
+    takes_layernorm: bool = False
     #: With the op's ``batch_invariant`` set, adds the ranks' partial sums of a row in rank order
     #: (0, 1, ..., N-1) in fp32 and computes the rest of the row as for any other row: a row's
     #: outputs are then the same whatever T, the other rows, the launch and the owning rank.

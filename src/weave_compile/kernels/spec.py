@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from weave_compile.rows import NORMS
+
 #: Thread blocks the fused communication may occupy at most: the signal slots each channel of a
 #: symmetric workspace reserves per rank.
 MAX_CTAS = 32
@@ -31,7 +33,9 @@ class FusedSpec:
     the op runs on a second stream beside the model's own kernels (the split's start op), so a
     local kernel of an implementation keeps to ``comm_ctas`` CTAs; otherwise nothing runs beside
     it and a local kernel takes as many CTAs as its rows fill (a kernel of few CTAs alone is
-    slower than Inductor's own add+norm, docs/performance.md)."""
+    slower than Inductor's own add+norm, docs/performance.md). ``norm``: ``"rmsnorm"`` or
+    ``"layernorm"`` (the row's mean subtracted first; only implementations with
+    ``takes_layernorm`` are handed one, and only they get a post-norm bias, ``Rows.norm_bias``)."""
 
     residual_dtype: torch.dtype
     out_dtype: torch.dtype
@@ -44,6 +48,7 @@ class FusedSpec:
     comm_ctas: int = DEFAULT_COMM_CTAS
     out_slot: int = -1
     beside_compute: bool = False
+    norm: str = "rmsnorm"
     batch_invariant: bool = False  # add the partial sums in rank order in fp32 (ops/allreduce_rmsnorm.py)
 
     def __post_init__(self) -> None:
@@ -55,6 +60,8 @@ class FusedSpec:
         if isinstance(self.comm_ctas, bool) or not isinstance(self.comm_ctas, int) \
                 or not 1 <= self.comm_ctas <= MAX_CTAS:
             raise ValueError(f"comm_ctas must be an int in [1, {MAX_CTAS}], got {self.comm_ctas!r}")
+        if self.norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
         if self.out_slot < -1:
             raise ValueError(f"out_slot must be -1 (a fresh output) or a ring slot >= 0, got {self.out_slot}")
 
@@ -73,7 +80,9 @@ class FusedSpec:
 class Rows:
     """The op's tensors as rows: ``x`` [T, H] (this rank's partial sums), ``residual`` [T, H] or,
     with a sharded residual, this rank's [S, H] shard, ``bias`` and ``weight`` [H], ``scale`` and
-    ``eps_tensor`` 0-d (``eps_tensor`` only for implementations that read eps from a tensor).
+    ``eps_tensor`` 0-d (``eps_tensor`` only for implementations that read eps from a tensor),
+    ``norm_bias`` [H] (added after the norm's weight: a LayerNorm's bias; not ``bias``, which is
+    added to the reduced sum before the norm).
     ``shape`` is the op input's shape, which :meth:`restore` gives the outputs back."""
 
     x: torch.Tensor
@@ -83,23 +92,25 @@ class Rows:
     scale: Optional[torch.Tensor] = None
     eps_tensor: Optional[torch.Tensor] = None
     shape: tuple = ()
+    norm_bias: Optional[torch.Tensor] = None
 
     @classmethod
     def of(cls, x: torch.Tensor, residual: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
            weight: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None,
-           eps_tensor: Optional[torch.Tensor] = None) -> "Rows":
+           eps_tensor: Optional[torch.Tensor] = None, norm_bias: Optional[torch.Tensor] = None) -> "Rows":
         """Views of the op's tensors as rows. A sharded residual is this rank's rows in any shape
         with ``H`` last (the shard pass hands on ``[S, H]``, a sequence-parallel model its own
         ``[B, S/N, H]`` or ``[S/N, B, H]``)."""
         hidden = x.shape[-1]
-        for name, t in (("bias", bias), ("weight", weight)):
+        for name, t in (("bias", bias), ("weight", weight), ("norm_bias", norm_bias)):
             if t is not None and t.numel() != hidden:
                 raise ValueError(f"{name} must have {hidden} elements (one per hidden column), "
                                  f"got shape {tuple(t.shape)}")
         if residual is not None:
             residual = residual.reshape(-1, hidden)
         return cls(x.reshape(-1, hidden), residual, None if bias is None else bias.reshape(hidden),
-                   None if weight is None else weight.reshape(hidden), scale, eps_tensor, tuple(x.shape))
+                   None if weight is None else weight.reshape(hidden), scale, eps_tensor, tuple(x.shape),
+                   None if norm_bias is None else norm_bias.reshape(hidden))
 
     def eps(self, spec: FusedSpec):
         """The norm's eps: ``eps_tensor`` where given (0-d, read where it lives), else ``spec.eps``."""

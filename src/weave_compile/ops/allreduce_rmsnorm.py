@@ -9,9 +9,11 @@ Contract, per row (rows are the flattened leading dims of ``x``; ``x`` is this r
     acc    = sum_over_ranks(x_row).float() (* scale) (+ bias.float()) (+ residual_row.float())
     res    = acc.to(residual_dtype)                                 # -> residual_out
     r      = res.float()
-    y      = r * rsqrt(mean(r * r) + eps)
+    r      = r - mean(r)                      if norm == "layernorm"     # else "rmsnorm": as it is
+    y      = r * rsqrt(mean(r * r) + eps)                                # LayerNorm: the centred row's variance
     y      = y.to(mid_dtype).float()          if mid_dtype is not None   # HF Llama casts back first
     y      = y * (weight.float() + weight_offset)  if weight is not None  # offset 1.0: Gemma (1 + w)
+    y      = y + norm_bias.float()            if norm_bias is not None   # a LayerNorm's bias, after the weight
     normed = y.to(out_dtype)
 
 Rows are split into ``S = ceil(T / N)`` rows per rank (padded with zero rows); rank ``r`` owns
@@ -68,6 +70,8 @@ def _arguments(
     scale: Optional[torch.Tensor] = None,
     eps_tensor: Optional[torch.Tensor] = None,
     out_slot: int = -1,
+    norm: str = "rmsnorm",
+    norm_bias: Optional[torch.Tensor] = None,
     batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The one definition of the fused op's arguments (never called).
@@ -86,6 +90,9 @@ def _arguments(
     result is then a view of memory the next call on that slot overwrites (on every rank), which
     is only correct where :mod:`weave_compile.passes.output_in_place` proved every reader runs
     before that call. -1 (and every other implementation): a fresh tensor.
+    ``norm``: ``"rmsnorm"`` or ``"layernorm"``; ``norm_bias`` (a LayerNorm's bias, added after the
+    weight; ``bias`` is the one added to the reduced sum before the norm). Both go only to
+    implementations that take a LayerNorm (``takes_layernorm``; the pass chooses accordingly).
     ``batch_invariant``: add the ranks' partial sums in rank order (0, 1, ..., N-1) in fp32, so a
     row's outputs do not depend on the token count, the other rows or the rank that owns it; only
     implementations that claim it (``Implementation.batch_invariant``) are given it.
@@ -108,7 +115,8 @@ def bind(args: tuple, kwargs: dict) -> dict[str, Any]:
 
 
 def _fused(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(normed, residual_out)`` of ``all_reduce(x) (*scale) (+bias) (+residual) -> RMSNorm``; see module doc."""
+    """``(normed, residual_out)`` of ``all_reduce(x) (*scale) (+bias) (+residual) -> RMSNorm`` (or
+    LayerNorm); see module doc."""
     return _call(bind(args, kwargs), beside_compute=False)
 
 
@@ -123,6 +131,10 @@ def _call(a: dict[str, Any], beside_compute: bool) -> tuple[torch.Tensor, torch.
     if a["scale"] is not None and not impl.takes_scale:
         raise ValueError(f"weave::allreduce_add_rmsnorm: kernel {impl.name!r} is one of those that take no scale "
                          f"({[e.name for e in kernels.implementations() if not e.takes_scale]})")
+    if (a["norm"] != "rmsnorm" or a["norm_bias"] is not None) and not impl.takes_layernorm:
+        raise ValueError(f"weave::allreduce_add_rmsnorm: kernel {impl.name!r} computes RMSNorm only (no norm="
+                         f"{a['norm']!r}, no norm_bias); a LayerNorm is taken by "
+                         f"{[e.name for e in kernels.implementations() if e.takes_layernorm]}")
     eps, eps_tensor = a["eps"], a["eps_tensor"]
     if eps_tensor is not None and not impl.takes_eps_tensor:
         # A host tensor (the pass passes the graph's own input): no device sync.
@@ -135,8 +147,8 @@ def _call(a: dict[str, Any], beside_compute: bool) -> tuple[torch.Tensor, torch.
                      group_name=a["group_name"], mid_dtype=a["mid_dtype"], weight_offset=a["weight_offset"],
                      residual_in_sharded=a["residual_in_sharded"], residual_out_sharded=a["residual_out_sharded"],
                      comm_ctas=a["comm_ctas"], out_slot=a["out_slot"], beside_compute=beside_compute,
-                     batch_invariant=a["batch_invariant"])
-    rows = Rows.of(a["x"], a["residual"], a["bias"], a["weight"], a["scale"], eps_tensor)
+                     norm=a["norm"], batch_invariant=a["batch_invariant"])
+    rows = Rows.of(a["x"], a["residual"], a["bias"], a["weight"], a["scale"], eps_tensor, a["norm_bias"])
     return rows.restore(*_run(impl, rows, spec), spec.residual_out_sharded)
 
 

@@ -10,7 +10,7 @@ Matches (post-grad ATen; each ``[...]`` optional, views/widening casts allowed b
                                                             # or a Python float (Granite's multipliers)
     [y   = add(y, bias[H])]  [y = add(residual, y)]...       # either order, either operand order;
                                                             # several same-shape addends are summed first
-    n    = RMSNorm(y)                                        # :mod:`.rmsnorm_match`
+    n    = RMSNorm(y) | LayerNorm(y)                         # :mod:`.rmsnorm_match`, :mod:`.layernorm_match`
     [all_gather_into_tensor(n, N, group) + wait]             # after a reduce_scatter: required
 
 A reduce-scatter site (sequence parallel, :mod:`.sequence_parallel`) is the same walk on this
@@ -57,7 +57,8 @@ from .graph_utils import (
     prims,
     val,
 )
-from .rmsnorm_match import NormMatch, feeds_layernorm, match_rmsnorm, scalar_operand
+from .layernorm_match import describe_layernorm, match_norm
+from .rmsnorm_match import NormMatch, feeds_layernorm, scalar_operand
 from .sequence_parallel import (
     Collective,
     GatherTail,
@@ -73,7 +74,10 @@ from .sequence_parallel import (
 
 _MAX_CHAIN = 16  # views/casts/adds between the all_reduce and the norm; a real model has <= 4
 _MAX_VISITS = 64  # users tried while walking (a node read twice is tried both ways)
-_LAYERNORM = "{kind} result feeds a LayerNorm (mean subtracted), not an RMSNorm: the fused op norms by RMS only"
+_LAYERNORM = "{kind} result feeds a LayerNorm the fused op does not compute: {detail}"
+#: What a LayerNorm outside :mod:`.layernorm_match`'s grammar is told, where nothing more precise is known.
+_LAYERNORM_FORMS = ("its form is not one the fused op takes (F.layer_norm or nn.LayerNorm, or the mean "
+                    "and the centred row's mean square, then rsqrt)")
 
 
 @dataclasses.dataclass
@@ -156,7 +160,7 @@ class SiteMatch:
                 graph, fake_mode, FUSED_OP, x=xin, residual=residual, bias=self.bias, weight=self.norm.weight,
                 eps=0.0 if eps_node is not None else self.norm.eps, group_name=c.group_name,
                 residual_dtype=tres.dtype, out_dtype=tout.dtype, mid_dtype=self.norm.mid_dtype,
-                weight_offset=self.norm.weight_offset,
+                weight_offset=self.norm.weight_offset, norm=self.norm.kind, norm_bias=self.norm.bias,
                 # A reduce-scatter site's residual is the model's shard, and stays one.
                 residual_in_sharded=c.scatters and residual is not None, residual_out_sharded=c.scatters,
                 kernel=kernel, comm_ctas=comm_ctas, scale=scale, eps_tensor=eps_node, batch_invariant=batch_invariant,
@@ -336,18 +340,18 @@ def _finish(m: SiteMatch, same_ranks) -> SiteMatch:
 
 def _anchor(m: SiteMatch) -> fx.Node:
     """Where the fused op goes: after the residual add, or after a later input of the op (the
-    weight; an eps or a scale input's conversion, dynamic=True); NoMatch if that is not before
-    the first reader of its results."""
+    weight, a LayerNorm's bias; an eps or a scale input's conversion, dynamic=True); NoMatch if
+    that is not before the first reader of its results."""
     order = {n: i for i, n in enumerate(m.collective.node.graph.nodes)}
     res_node, norm_out = m.residual_out, m.norm.out
     anchor = res_node
-    for inp in (m.norm.weight, m.norm.eps, m.scale):
+    for inp in (m.norm.weight, m.norm.bias, m.norm.eps, m.scale):
         if isinstance(inp, fx.Node) and order[inp] > order[anchor]:
             anchor = inp
     extra = [r for _, readers in m.extra_readers for r in readers]
     if extra and order[anchor] >= min(order[r] for r in extra):
         # A reader of an inner chain node comes first: put the op right after its last input.
-        inputs = [m.collective.x, m.residual, m.bias, m.norm.weight, m.norm.eps, m.scale]
+        inputs = [m.collective.x, m.residual, m.bias, m.norm.weight, m.norm.bias, m.norm.eps, m.scale]
         inputs += [n for n, _ in m.more_residuals]
         anchor = max((n for n in inputs if isinstance(n, fx.Node)), key=order.__getitem__)
     first_use = min((order[u] for n in (res_node, norm_out) for u in n.users
@@ -368,7 +372,7 @@ def _walk(c: Collective, cur: fx.Node, st: _Walk, hidden, budget: list[int], fin
     next norm) fails there, and the walk goes on with the next reader. Where every chain fails,
     the reason of one that reached a norm is given, else of the walk's dead ends.
     """
-    norm = match_rmsnorm(cur)
+    norm = match_norm(cur)
     if norm is not None:
         m = SiteMatch(c, list(st.chain), list(st.views), st.residual, st.bias, norm, st.scale)
         m.more_residuals, m.residual_views = list(st.more_residuals), st.residual_views
@@ -389,7 +393,7 @@ def _walk(c: Collective, cur: fx.Node, st: _Walk, hidden, budget: list[int], fin
     if unfinished:
         raise unfinished[0]
     if feeds_layernorm(cur):
-        raise NoMatch(_LAYERNORM.format(kind=c.kind))
+        raise NoMatch(_LAYERNORM.format(kind=c.kind, detail=describe_layernorm(cur) or _LAYERNORM_FORMS))
     if len(users) == 1:
         raise failures[0]
     uses = ", ".join(str(n.target) for n in users) or "nothing"

@@ -119,6 +119,7 @@ def site_of(m: SiteMatch, config: TokenWeaveConfig, split: bool = False) -> kern
         split=split,
         sequence_parallel=m.collective.scatters,
         has_scale=m.scale is not None,
+        norm=m.norm.kind,
         # A tensor eps reaches the op on the site's device (allreduce_site.eps_on_device).
         eps_on_device=isinstance(eps, fx.Node) and (val(eps).device.type != "cpu" or tx.device.type != "cpu"),
         out_in_place=config.output_in_place, comm_ctas=config.comm_ctas, terms=_terms(m),
@@ -132,7 +133,8 @@ def _terms(m: SiteMatch) -> kernels.NormTerms:
         return None if node is None else val(node).dtype
 
     scale = dtype(m.scale) if isinstance(m.scale, fx.Node) else None if m.scale is None else torch.float32
-    return kernels.NormTerms(bias=dtype(m.bias), weight=dtype(m.norm.weight), mid=m.norm.mid_dtype, scale=scale)
+    return kernels.NormTerms(bias=dtype(m.bias), weight=dtype(m.norm.weight), mid=m.norm.mid_dtype, scale=scale,
+                             norm_bias=dtype(m.norm.bias))
 
 
 #: ``chooser(site name, site) -> (kernel, reason, reserve)``: the design a site gets (or

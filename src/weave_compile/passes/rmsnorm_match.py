@@ -10,8 +10,10 @@ Matches (post-grad ATen; each ``[...]`` optional)::
     [n   = convert(n, mid)] [n = mul(n, w | convert(w) | add(convert(w), 1.0))] [n = convert(n, out)]
 
 :func:`match_rmsnorm` returns a :class:`NormMatch` (the nodes, eps, weight, weight offset and mid
-dtype, as far as the tail is exact) or None. The fuse pass (:mod:`.fuse_allreduce_rmsnorm`) calls
-it at each step of its walk from an all_reduce.
+dtype, as far as the tail is exact) or None. The LayerNorm grammar (:mod:`.layernorm_match`) shares
+the tail (:func:`match_tail`, which there also takes the LayerNorm's bias after the weight) and
+:class:`NormMatch`; :func:`.layernorm_match.match_norm` tries both, and the fuse pass
+(:mod:`.fuse_allreduce_rmsnorm`) calls it at each step of its walk from an all_reduce.
 """
 
 from __future__ import annotations
@@ -32,15 +34,21 @@ class NormMatch:
     weight: Optional[fx.Node]
     weight_offset: float
     mid_dtype: Optional[torch.dtype]
+    kind: str = "rmsnorm"  # or "layernorm" (the op's ``norm`` argument)
+    #: a LayerNorm's bias, added after the weight (the op's ``norm_bias``)
+    bias: Optional[fx.Node] = None
 
     @property
     def out(self) -> fx.Node:
         return self.nodes[-1]
 
     def describe(self) -> str:
-        parts = ["rmsnorm"]
+        parts = [self.kind]
         if self.weight is not None:
             parts.append("(1+w)" if self.weight_offset else "*w")
+        if self.bias is not None:
+            parts.append("+b")
+        if self.weight is not None or self.bias is not None:
             parts.append("after cast" if self.mid_dtype is not None else "in fp32")
         if isinstance(self.eps, fx.Node):
             parts.append("(eps a graph input)")
@@ -84,10 +92,21 @@ def host_input(eps: Union[float, fx.Node]) -> Union[float, fx.Node]:
     return eps
 
 
-def _is_square_of(node: fx.Node, r: fx.Node) -> bool:
+def is_square_of(node: fx.Node, r: fx.Node) -> bool:
     if is_call(node, aten.pow.Tensor_Scalar):
         return node.args[0] is r and node.args[1] == 2
     return is_call(node, aten.mul.Tensor) and node.args[0] is r and node.args[1] is r
+
+
+def _row_vector(node: Any, hidden) -> Optional[fx.Node]:
+    """``v`` or ``convert(v, float32)`` -> ``v`` where ``v`` is a floating per-channel vector; else None."""
+    dt = cast_dtype(node) if isinstance(node, fx.Node) else None
+    if dt is not None and dt == torch.float32:
+        node = node.args[0]
+    v = val(node)
+    if v is None or not broadcasts_as_row(v, hidden) or not v.is_floating_point():
+        return None
+    return node
 
 
 def _strip_weight(node: Any, hidden) -> tuple[Optional[fx.Node], float]:
@@ -97,29 +116,24 @@ def _strip_weight(node: Any, hidden) -> tuple[Optional[fx.Node], float]:
         offset, node = float(node.args[1]), node.args[0]
     elif is_call(node, aten.add.Tensor) and isinstance(node.args[0], (int, float)):
         offset, node = float(node.args[0]), node.args[1]
-    dt = cast_dtype(node) if isinstance(node, fx.Node) else None
-    if dt is not None and dt == torch.float32:
-        node = node.args[0]
-    v = val(node)
-    if v is None or not broadcasts_as_row(v, hidden) or not v.is_floating_point():
-        return None, 0.0
-    return node, offset
+    node = _row_vector(node, hidden)
+    return (node, offset) if node is not None else (None, 0.0)
 
 
 #: LayerNorm as one op (pre-dispatch and un-decomposed graphs), and the statistic its decomposition
 #: starts with (an RMSNorm takes a mean of squares, never a variance).
-_LAYER_NORM_OPS = frozenset({aten.native_layer_norm.default, aten.layer_norm.default})
-_VARIANCE_OPS = frozenset({aten.var_mean.correction, aten.var_mean.dim, aten.var.correction, aten.var.dim})
+LAYER_NORM_OPS = frozenset({aten.native_layer_norm.default, aten.layer_norm.default})
+VARIANCE_OPS = frozenset({aten.var_mean.correction, aten.var_mean.dim, aten.var.correction, aten.var.dim})
 
 
 def feeds_layernorm(v: fx.Node) -> bool:
     """``v`` is normalized by a LayerNorm (the mean subtracted), not an RMSNorm: a layer_norm op reads
     it, a variance of it is taken, or ``v - mean(v)`` is computed. Only to name the norm a site has
-    in the reason it is left as written; the fused op computes RMSNorm alone."""
+    in the reason it is left as written, where :mod:`.layernorm_match` did not take it."""
     for u in v.users:
-        if is_call(u, _LAYER_NORM_OPS) and u.args[0] is v:
+        if is_call(u, LAYER_NORM_OPS) and u.args[0] is v:
             return True
-        if is_call(u, _VARIANCE_OPS) and u.args[0] is v:
+        if is_call(u, VARIANCE_OPS) and u.args[0] is v:
             return True
         if (is_call(u, aten.sub.Tensor) and u.args[0] is v and is_call(u.args[1], aten.mean.dim)
                 and u.args[1].args[0] is v):
@@ -146,7 +160,7 @@ def match_rmsnorm(v: fx.Node) -> Optional[NormMatch]:
 
 def _match_from(r: fx.Node, hidden, ndim: int) -> Optional[NormMatch]:
     for sq in r.users:
-        if not _is_square_of(sq, r):
+        if not is_square_of(sq, r):
             continue
         mean = single_user(sq)
         if not (is_call(mean, aten.mean.dim) and is_last_dim(mean.args[1], ndim)
@@ -182,7 +196,7 @@ def _match_from(r: fx.Node, hidden, ndim: int) -> Optional[NormMatch]:
         if not ok:
             continue
         nodes.append(y)
-        return _match_tail(nodes, eps, hidden)
+        return match_tail(nodes, eps, hidden)
     return None
 
 
@@ -192,9 +206,10 @@ def _times(inv: fx.Node, r: fx.Node) -> Optional[fx.Node]:
                  and {id(u.args[0]), id(u.args[1])} == {id(r), id(inv)}), None)
 
 
-def _match_tail(nodes: list[fx.Node], eps: Union[float, fx.Node], hidden) -> NormMatch:
-    """Extend past ``y = r * rsqrt(..)``: [cast mid] [* weight] [cast out], as far as it is exact."""
-    m = NormMatch(nodes=nodes, eps=eps, weight=None, weight_offset=0.0, mid_dtype=None)
+def match_tail(nodes: list[fx.Node], eps: Union[float, fx.Node], hidden, kind: str = "rmsnorm") -> NormMatch:
+    """Extend past ``y = r * rsqrt(..)``: [cast mid] [* weight] [+ bias: a LayerNorm's] [cast out],
+    as far as it is exact."""
+    m = NormMatch(nodes=nodes, eps=eps, weight=None, weight_offset=0.0, mid_dtype=None, kind=kind)
     cur = nodes[-1]
     nxt = single_user(cur)
     dt = cast_dtype(nxt) if nxt is not None else None
@@ -208,6 +223,15 @@ def _match_tail(nodes: list[fx.Node], eps: Union[float, fx.Node], hidden) -> Nor
             m.weight, m.weight_offset = w, offset
             nodes.append(nxt)
             cur, nxt = nxt, single_user(nxt)
+    # A LayerNorm's bias only on a float32 product: the op adds it in fp32, then rounds once. After
+    # a product already rounded (a mid cast), the add stays outside, reading ``normed``.
+    if (kind == "layernorm" and val(cur).dtype == torch.float32 and is_call(nxt, aten.add.Tensor)
+            and len(nxt.args) == 2 and "alpha" not in nxt.kwargs and val(nxt).shape == val(cur).shape):
+        b = _row_vector(other_operand(nxt, cur), hidden)
+        if b is not None:
+            m.bias = b
+            nodes.append(nxt)
+            cur, nxt = nxt, single_user(nxt)
     # A cast after the weight only if the product was float32: then the cast is the one rounding
     # the contract does. A bf16 product already rounded; a later widening cast must stay outside.
     if m.mid_dtype is None and val(cur).dtype == torch.float32 and nxt is not None:
@@ -215,6 +239,6 @@ def _match_tail(nodes: list[fx.Node], eps: Union[float, fx.Node], hidden) -> Nor
         if dt is not None:
             nodes.append(nxt)
     if m.mid_dtype is not None and m.weight is None:
-        # "cast only": y.to(mid) is the output itself, not a mid step.
+        # "cast only": y.to(mid) is the output itself, not a mid step (no bias follows it: above).
         m.mid_dtype = None
     return m

@@ -1,7 +1,9 @@
 """A hand-written Megatron-style tensor-parallel Llama, for the quickstart, tests and benchmarks.
 
 Column-parallel q/k/v and gate/up, row-parallel o_proj and down_proj each followed by an in-place
-``dist.all_reduce``, HF-style RMSNorm. Weights come from a seeded generator over the *full*
+``dist.all_reduce``, HF-style RMSNorm, or a LayerNorm (``LlamaDims.norm``: with ``bias=True``
+the sequential LayerNorm blocks of StarCoder2 and GPT-NeoX's sequential variant, row-parallel
+biases included; OLMo's and Cohere's norms). Weights come from a seeded generator over the *full*
 model, and every rank keeps its slice, so the TP model equals :meth:`TPLlama.unsharded` up to
 collective rounding.
 """
@@ -26,8 +28,10 @@ class LlamaDims:
     layers: int = 2
     vocab: int = 128
     eps: float = 1e-6
-    #: "hf" (fp32 upcast, weight after the cast-back), "functional" (F.rms_norm) or
-    #: "gemma" ((1 + w) in fp32).
+    #: RMSNorm: "hf" (fp32 upcast, weight after the cast-back), "functional" (F.rms_norm) or
+    #: "gemma" ((1 + w) in fp32). LayerNorm: "layernorm" (nn.LayerNorm's weight and bias:
+    #: StarCoder2, GPT-NeoX), "olmo" (no affine, fp32 upcast) or "cohere" (hand-written mean and
+    #: variance in fp32, weight only).
     norm: str = "hf"
     #: Row-parallel layers carry a bias added after the all_reduce.
     bias: bool = False
@@ -47,16 +51,29 @@ LLAMA3_8B = LlamaDims(hidden=4096, heads=32, kv_heads=8, intermediate=14336, lay
 LLAMA3_70B = LlamaDims(hidden=8192, heads=64, kv_heads=8, intermediate=28672, layers=80, vocab=128256, eps=1e-5)
 
 
+
 class RMSNorm(nn.Module):
+    """The model's norm in one of ``LlamaDims.norm``'s forms (an RMSNorm or a LayerNorm)."""
+
     def __init__(self, hidden: int, eps: float, form: str):
         super().__init__()
         self.eps, self.form = eps, form
         init = torch.zeros(hidden) if form == "gemma" else torch.ones(hidden)
-        self.weight = nn.Parameter(init)
+        self.weight = nn.Parameter(init) if form != "olmo" else None
+        self.bias = nn.Parameter(torch.zeros(hidden)) if form == "layernorm" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.form == "functional":
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if self.form == "layernorm":
+            return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        if self.form == "olmo":
+            return F.layer_norm(x.float(), (x.shape[-1],), None, None, self.eps).to(x.dtype)
+        if self.form == "cohere":
+            xf = x.float()
+            mean = xf.mean(-1, keepdim=True)
+            var = (xf - mean).pow(2).mean(-1, keepdim=True)
+            return (self.weight.float() * ((xf - mean) * torch.rsqrt(var + self.eps))).to(x.dtype)
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.form == "gemma":
@@ -162,11 +179,11 @@ class TPLlama(nn.Module):
                     lin.weight.copy_(w)
             layer.down.weight.copy_(shard(full(d.hidden, d.intermediate, scale=d.intermediate ** -0.5), 1))
             for norm in (layer.input_norm, layer.post_attn_norm):
-                norm.weight.add_(full(d.hidden, scale=0.1))
+                _perturb(norm, full, d.hidden)
             for b in (layer.o_bias, layer.down_bias):
                 if b is not None:
                     b.copy_(full(d.hidden, scale=0.1))
-        self.final_norm.weight.add_(full(d.hidden, scale=0.1))
+        _perturb(self.final_norm, full, d.hidden)
 
     def embed_partial(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's part of the embedding: its vocabulary slice's rows, zeros elsewhere (the
@@ -190,6 +207,14 @@ class TPLlama(nn.Module):
             nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
             h = nxt(residual)
         return h
+
+
+def _perturb(norm: RMSNorm, full, hidden: int) -> None:
+    """Random norm parameters around their init (the RMSNorm forms draw what they always drew)."""
+    if norm.weight is not None:
+        norm.weight.add_(full(hidden, scale=0.1))
+    if norm.bias is not None:
+        norm.bias.add_(full(hidden, scale=0.1))
 
 
 def expected_fused_sites(d: LlamaDims, tp: int) -> int:

@@ -54,10 +54,10 @@ def _timer(table):
     return lambda cand, sig, bucket, rank: Stat(float(table(cand, bucket, rank)), 0.0)
 
 
-def _compile_llama(rank, world, options, tokens_list):
+def _compile_llama(rank, world, options, tokens_list, dims=DIMS):
     import weave_compile
 
-    model = TPLlama(DIMS, tp=world, rank=rank, group=dist.group.WORLD, seed=0)
+    model = TPLlama(dims, tp=world, rank=rank, group=dist.group.WORLD, seed=0)
     compiled = torch.compile(model, backend="tokenweave", options={"compiler": "aot_eager", **options})
     errs = []
     with torch.no_grad():
@@ -91,6 +91,24 @@ def test_real_timings_on_cpu_give_one_answer_on_every_rank(tmp_path):
     assert runs[0]["kernels"] == runs[1]["kernels"] and runs[0]["fused"] == runs[1]["fused"]
     assert runs[0]["measured"][0]["reason"] == runs[1]["measured"][0]["reason"]
     assert runs[0]["measured"][0]["rows"] == runs[1]["measured"][0]["rows"]
+
+
+def _real_layernorm(rank, world):
+    return _compile_llama(rank, world, {}, [_tokens(24)], dims=dataclasses.replace(DIMS, norm="layernorm", bias=True))
+
+
+@pytest.mark.slow
+def test_layernorm_sites_are_checked_and_timed_as_layernorms(tmp_path):
+    """A LayerNorm model's signatures carry the norm (explain() names them so), and the CPU
+    candidates, run as LayerNorms, pass the float64 oracle's LayerNorm check and are timed."""
+    runs = assert_ranks_ok(run_ranks(_real_layernorm, 2, timeout=TIMEOUT, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}))
+    for run in runs:
+        assert max(run["errs"]) < 1e-5, run["text"]
+        [m] = run["measured"]
+        assert m["checked"] == "float64 oracle" and "reference" not in m.get("excluded", {}), m
+        assert not any("wrong result" in why for why in m.get("excluded", {}).values()), m
+        assert {"reference", "as written"} <= set(m["rows"][0]["times"]), m
+        assert "LayerNorm H=64 float32 x2" in run["text"], run["text"]
 
 
 def _real_inductor(rank, world):

@@ -68,6 +68,22 @@ def test_a_split_half_names_the_gemms_beside_it():
     assert sig(tokens=16, split=True, beside=((None, 64, 32),) * 3).describe().endswith("beside 3 GEMMs")
 
 
+def test_the_norm_is_in_the_key_and_an_rmsnorm_keeps_the_key_it_had():
+    import dataclasses
+    import hashlib
+    import json
+
+    a = sig(tokens=64)
+    for change in (dict(norm="layernorm"), dict(norm="layernorm", norm_bias="bfloat16")):
+        assert sig(tokens=64, **change).key() != a.key(), change
+    # What key() hashed before the norm's fields existed: the cache entries of RMSNorm sites stay valid.
+    old = {k: v for k, v in dataclasses.asdict(a).items() if k not in ("norm", "norm_bias")}
+    assert a.key() == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:20]
+    ln = sig(tokens=None, token_range=(1, 128), norm="layernorm", norm_bias="float32")
+    assert Signature.from_json(ln.to_json()) == ln
+    assert ln.describe().startswith("LayerNorm H=4096") and "norm bias" in ln.describe()
+
+
 def test_describe_names_layout_and_terms():
     text = sig(tokens=16, residual_in_sharded=True, residual_out_sharded=True, bias="bfloat16").describe()
     assert "H=4096" in text and "x2" in text and "res shard->shard" in text and "bias" in text, text

@@ -4,8 +4,9 @@ Two op calls with the same signature take the same time with any design, so a gr
 timed once per signature (a Llama's interior sites share one; the first and the last differ in
 their residual's layout). Everything that shapes a call's time is a field: the device, the group's
 ranks, the dtypes, what the op applies besides the sum (bias, weight, scale, the norm's mid cast),
-the residual's layout (sharded in, sharded out: as :mod:`weave_compile.passes.shard_residual`
-leaves it), whether the op runs beside compute (a split half: and the GEMMs it runs beside), its CTA budget and the token count:
+the norm (RMSNorm or LayerNorm), the residual's layout (sharded in, sharded out: as
+:mod:`weave_compile.passes.shard_residual` leaves it), whether the op runs beside compute (a split
+half: and the GEMMs it runs beside), its CTA budget and the token count:
 static, or symbolic with the range the shape environment bounds it to.
 
 A symbolic token count is timed at power-of-two buckets (:func:`Signature.buckets`), from the
@@ -76,6 +77,8 @@ class Signature:
     out_slot: bool = False  # the op may leave its output in the symmetric output ring
     tokens: Optional[int] = None  # static token count; None: symbolic
     token_range: Optional[tuple[int, Optional[int]]] = None  # of a symbolic count, as bounded
+    norm: str = "rmsnorm"  # or "layernorm"
+    norm_bias: Optional[str] = None  # a LayerNorm's bias (after the weight)
 
     @property
     def world_size(self) -> int:
@@ -103,18 +106,24 @@ class Signature:
 
     def describe(self) -> str:
         """A short line for ``explain()``."""
-        terms = [t for t, on in (("bias", self.bias), ("scale", self.scale), ("weight", self.weight)) if on]
+        terms = [t for t, on in (("bias", self.bias), ("scale", self.scale), ("weight", self.weight),
+                                 ("norm bias", self.norm_bias)) if on]
         layout = ("res " + ("shard" if self.residual_in_sharded else "full") + "->"
                   + ("shard" if self.residual_out_sharded else "full")) if self.residual_in else "no residual"
-        kind = "sequence-parallel " if self.sequence_parallel else ""
+        kind = ("sequence-parallel " if self.sequence_parallel else "") + ("LayerNorm " if self.norm == "layernorm" else "")
         # T is the table's own column (a symbolic T has a row per bucket)
         return (f"{kind}H={self.hidden} {self.dtype} x{self.world_size}, {layout}"
                 + (f", {'+'.join(terms)}" if terms else "") + (", split half" if self.split else "")
                 + (f" beside {len(self.beside)} GEMM{'s' * (len(self.beside) != 1)}" if self.beside else ""))
 
     def key(self) -> str:
-        """A stable digest of every field."""
-        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:20]
+        """A stable digest of every field. The norm's fields are left out at their defaults (an
+        RMSNorm site): signatures from before they existed keep their keys."""
+        d = dataclasses.asdict(self)
+        for name in _ADDED_LATER:
+            if d[name] == _DEFAULTS[name]:
+                del d[name]
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:20]
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -135,3 +144,8 @@ def bucket_of(buckets: tuple[int, ...], num_tokens: int) -> int:
         if num_tokens <= b:
             return b
     return buckets[-1]
+
+
+#: Fields added after signatures were first cached, left out of :meth:`Signature.key` at their defaults.
+_ADDED_LATER = ("norm", "norm_bias")
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Signature)}

@@ -2,7 +2,7 @@
 
 Candidates are the registered implementations that can run at the site and the site **as
 written**: the collective (all_reduce, or a sequence-parallel site's reduce-scatter and
-all-gather) with the add and RMSNorm around it, compiled the way the graph is compiled
+all-gather) with the add and RMSNorm (or LayerNorm) around it, compiled the way the graph is compiled
 (:func:`written_runner`: Inductor, or ``aot_eager``), so what is timed is the code plain
 ``torch.compile`` would run there.
 
@@ -103,6 +103,7 @@ class Inputs:
     scale: Optional[torch.Tensor]
     eps_tensor: Optional[torch.Tensor]
     partials: Optional[list[torch.Tensor]] = None  # every rank's x, for the oracle (the check only)
+    norm_bias: Optional[torch.Tensor] = None  # a LayerNorm's bias, after the weight
     #: a split half's: the operands of the GEMMs the other half runs beside its op (timing only)
     gemms: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
@@ -148,11 +149,12 @@ def make_inputs(sig: Signature, num_tokens: int, group_rank: int, device: torch.
         weight = weight.to(dtype_of(sig.weight))
     scale = torch.tensor(1.7, dtype=dtype_of(sig.scale), device=device) if sig.scale else None
     eps_tensor = torch.tensor(EPS, dtype=torch.float32, device=device) if sig.eps_on_device else None
+    norm_bias = randn(H, dtype=dtype_of(sig.norm_bias), gen_seed=seed * 64 + 60) if sig.norm_bias else None
     gemms = () if all_ranks else tuple(
-        (randn(num_tokens if m is None else m, k, dtype=dt, gen_seed=seed * 64 + 60 - 2 * i),
-         randn(k, n, dtype=dt, gen_seed=seed * 64 + 59 - 2 * i) * k ** -0.5)
+        (randn(num_tokens if m is None else m, k, dtype=dt, gen_seed=seed * 64 + 58 - 2 * i),
+         randn(k, n, dtype=dt, gen_seed=seed * 64 + 57 - 2 * i) * k ** -0.5)
         for i, (m, k, n) in enumerate(sig.beside))
-    return Inputs(x, residual_full, residual, bias, weight, scale, eps_tensor, partials, gemms)
+    return Inputs(x, residual_full, residual, bias, weight, scale, eps_tensor, partials, norm_bias, gemms)
 
 
 # ----------------------------------------------------------------------------- the runners
@@ -172,8 +174,8 @@ def fused_runner(design: str, sig: Signature, group_name: str, inp: Inputs) -> C
         residual_dtype=dtype_of(sig.residual_dtype), out_dtype=dtype_of(sig.out_dtype),
         mid_dtype=dtype_of(sig.mid_dtype), weight_offset=sig.weight_offset,
         residual_in_sharded=sig.residual_in_sharded, residual_out_sharded=sig.residual_out_sharded,
-        kernel=design, comm_ctas=sig.comm_ctas, scale=inp.scale, eps_tensor=inp.eps_tensor,
-        batch_invariant=sig.batch_invariant)
+        kernel=design, comm_ctas=sig.comm_ctas, scale=inp.scale, eps_tensor=inp.eps_tensor, norm=sig.norm,
+        norm_bias=inp.norm_bias, batch_invariant=sig.batch_invariant)
 
     def call():
         out = op(inp.x, **kwargs)
@@ -186,8 +188,8 @@ def fused_runner(design: str, sig: Signature, group_name: str, inp: Inputs) -> C
     return call
 
 
-def _written_chain(x, residual, bias, weight, scale, eps_tensor, *, group_name, world_size, sequence_parallel,
-                   residual_dtype, out_dtype, mid_dtype, weight_offset):
+def _written_chain(x, residual, bias, weight, scale, eps_tensor, norm_bias, *, group_name, world_size,
+                   sequence_parallel, residual_dtype, out_dtype, mid_dtype, weight_offset, norm):
     """The site as a model writes it (in torch ops, as Dynamo sees a TP layer's end)."""
     c10d = torch.ops._c10d_functional
     if sequence_parallel:
@@ -201,7 +203,8 @@ def _written_chain(x, residual, bias, weight, scale, eps_tensor, *, group_name, 
     if residual is not None:
         y = residual + y
     res = y.to(residual_dtype)
-    normed = norm_rows(res, weight, EPS if eps_tensor is None else eps_tensor, out_dtype, mid_dtype, weight_offset)
+    normed = norm_rows(res, weight, EPS if eps_tensor is None else eps_tensor, out_dtype, mid_dtype, weight_offset,
+                       norm, norm_bias)
     if sequence_parallel:
         normed = c10d.wait_tensor(c10d.all_gather_into_tensor(normed.contiguous(), world_size, group_name))
     return normed, res
@@ -220,7 +223,7 @@ def written_runner(sig: Signature, group_name: str, compiler: str, mode: str) ->
     fn.__kwdefaults__ = dict(group_name=group_name, world_size=sig.world_size,
                              sequence_parallel=sig.sequence_parallel,
                              residual_dtype=dtype_of(sig.residual_dtype), out_dtype=dtype_of(sig.out_dtype),
-                             mid_dtype=dtype_of(sig.mid_dtype), weight_offset=sig.weight_offset)
+                             mid_dtype=dtype_of(sig.mid_dtype), weight_offset=sig.weight_offset, norm=sig.norm)
     patches: dict[str, Any] = {}
     if compiler == "inductor":
         if mode != "default":
@@ -239,7 +242,7 @@ def written_runner(sig: Signature, group_name: str, compiler: str, mode: str) ->
                     torch._dynamo.mark_dynamic(t, 0)
         # A sequence-parallel site as written adds the model's own shard; an all_reduce site the whole.
         residual = inp.residual if sig.sequence_parallel else inp.residual_full
-        args = (inp.x, residual, inp.bias, inp.weight, inp.scale, inp.eps_tensor)
+        args = (inp.x, residual, inp.bias, inp.weight, inp.scale, inp.eps_tensor, inp.norm_bias)
 
         compiled_here = [False]
 
@@ -355,7 +358,7 @@ def check(design: str, sig: Signature, group_name: str, group_rank: int, device:
         ref_n, ref_r = allreduce_add_rmsnorm_ref(
             inp.partials, inp.residual_full, inp.bias, inp.weight, eps=EPS, weight_offset=sig.weight_offset,
             scale=inp.scale, residual_dtype=dtype_of(sig.residual_dtype), out_dtype=dtype_of(sig.out_dtype),
-            mid_dtype=dtype_of(sig.mid_dtype))
+            mid_dtype=dtype_of(sig.mid_dtype), norm=sig.norm, norm_bias=inp.norm_bias)
         S = rows_per_rank(T, sig.world_size)
         n = rows_of_rank(T, S, group_rank)
         if sig.sequence_parallel or sig.residual_out_sharded:

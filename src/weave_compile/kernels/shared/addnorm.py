@@ -324,6 +324,8 @@ def add_rmsnorm_rows(
     force_torch: bool = False,
     preload: bool = False,
     abort: Optional[torch.Tensor] = None,
+    norm: str = "rmsnorm",
+    norm_bias: Optional[torch.Tensor] = None,
 ):
     """Write ``normed[:n_valid]`` and ``res_out[:len(res_out)]`` (zeros past ``n_valid``).
 
@@ -333,17 +335,22 @@ def add_rmsnorm_rows(
     ``abort`` an int32 word or None: where it is not 0 every output is NaN (the ``ce`` watchdog's
     poison). Rows of ``normed`` past ``n_valid`` are not touched. ``preload``: compile and load the
     kernel this call would launch (its module and function handles), launch nothing, and return
-    it (see :mod:`weave_compile.kernels.ce.copy_engine`, "Deadlock freedom").
+    it (see :mod:`weave_compile.kernels.ce.copy_engine`, "Deadlock freedom"). ``norm="layernorm"``
+    and ``norm_bias`` (added after the weight) run the torch path on every device: the Triton
+    kernel computes RMSNorm only (no implementation hands a CUDA LayerNorm site here at compile
+    time: ``nccl``'s check refuses one).
     """
     hidden = x.shape[-1]
     n_res_rows = res_out.shape[0]
     if n_res_rows == 0:
         return None
-    if force_torch or not use_triton(x.device):
+    layernorm = norm != "rmsnorm" or norm_bias is not None
+    if force_torch or layernorm or not use_triton(x.device):
         if preload:  # nothing to load: the torch path has no kernel of ours
             return None
         _add_rmsnorm_rows_torch(x, recv, residual, bias, weight, scale, normed, res_out, n_valid=n_valid,
-                                eps=eps, mid_dtype=mid_dtype, weight_offset=weight_offset, abort=abort)
+                                eps=eps, mid_dtype=mid_dtype, weight_offset=weight_offset, abort=abort,
+                                norm=norm, norm_bias=norm_bias)
         return None
     slots = 0 if recv is None else recv.shape[0]
     cfg = config or launch_config(
@@ -411,7 +418,7 @@ def _launch(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, num_cta
 
 
 def _add_rmsnorm_rows_torch(x, recv, residual, bias, weight, scale, normed, res_out, *, n_valid, eps,
-                            mid_dtype, weight_offset, abort=None) -> None:
+                            mid_dtype, weight_offset, abort=None, norm="rmsnorm", norm_bias=None) -> None:
     """The kernel's math with torch ops (CPU simulation path)."""
     from weave_compile.rows import norm_rows
 
@@ -429,4 +436,4 @@ def _add_rmsnorm_rows_torch(x, recv, residual, bias, weight, scale, normed, res_
     res = acc.to(res_out.dtype)
     res_out[:n_valid].copy_(res)
     res_out[n_valid:].zero_()
-    normed[:n_valid].copy_(norm_rows(res, weight, eps, normed.dtype, mid_dtype, weight_offset))
+    normed[:n_valid].copy_(norm_rows(res, weight, eps, normed.dtype, mid_dtype, weight_offset, norm, norm_bias))
