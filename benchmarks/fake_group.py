@@ -159,10 +159,20 @@ def _reduce_scatter_out(inp, reduce_op, group_size, group_name, *, out):
     return _scatter_into(inp, group_size, group_name, out)
 
 
+def _all_to_all_single(inp, output_split_sizes, input_split_sizes, group_name):
+    """Every peer's block of this rank's slice is this rank's own block (``batch_invariant``'s
+    all-to-all: the rank-order sum then adds N copies of this rank's partial rows)."""
+    rank = _this_rank(group_name)
+    starts = [sum(input_split_sizes[:j]) for j in range(len(input_split_sizes))]
+    mine = inp[starts[rank]:starts[rank] + input_split_sizes[rank]]
+    return torch.cat([mine[:n] for n in output_split_sizes]) if output_split_sizes else inp.new_empty((0,))
+
+
 #: torch's functional collectives (``_c10d_functional``, what compiled graphs and the fused op's
 #: ``nccl`` and ``reference`` call) that the fake group leaves unwritten, and what writes them here.
 WRITTEN = {"all_gather_into_tensor": _all_gather, "all_gather_into_tensor_out": _all_gather_out,
-           "reduce_scatter_tensor": _reduce_scatter, "reduce_scatter_tensor_out": _reduce_scatter_out}
+           "reduce_scatter_tensor": _reduce_scatter, "reduce_scatter_tensor_out": _reduce_scatter_out,
+           "all_to_all_single": _all_to_all_single}
 
 
 @contextlib.contextmanager

@@ -71,6 +71,9 @@ def test_written_collectives_write_every_row_and_leave_with_the_block(group, see
         assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU")
         assert torch.equal(all_gather_rows(shard, group, 2), torch.cat([shard, shard]))  # rank 0's rows, twice
         assert torch.equal(reduce_scatter_rows(full, group, 2), full[:3])  # rank 0's rows: its partial is the sum
+        # batch_invariant's all-to-all: every peer's block of rank 0's slice is rank 0's own block
+        out = torch.ops._c10d_functional.all_to_all_single(full, [3, 3], [3, 3], group)
+        assert torch.equal(torch.ops._c10d_functional.wait_tensor(out), torch.cat([full[:3], full[:3]]))
     assert not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU")  # torch's own kernel again
 
 
