@@ -38,6 +38,19 @@ Preconditions, each checked (:func:`match_pair` names the one that fails):
 What the graph applies after the reductions is assumed the same on every rank, as everywhere
 in TP inference (see :mod:`.fuse_allreduce_rmsnorm`). Runs before the fuse pass, only with
 ``fuse`` on; merges repeat until none is left (``a + b + c`` becomes one all_reduce).
+
+**Parallel blocks** (GPT-NeoX, GPT-J, Phi, Cohere, CodeGen: attention and MLP read the same
+normed input, their row-parallel outputs are summed with the residual): each module reduces its
+own output, and the two reduced sums meet in a tree of adds with the residual and the row-parallel
+layers' biases between them, e.g. ``(all_reduce(a) + b_o) + (all_reduce(b) + b_m) + r`` or
+``r + all_reduce(a) + all_reduce(b)``. :func:`reassociate` first rewrites such a tree (every
+inner add read only by the next, no broadcasting between full-size terms, one dtype) as
+``((ya + yb) + (b_o + b_m)) + r``: the reduced terms first (then merged as above), the broadcast
+terms (biases) summed once and added next, the other full-size terms (the residual) last, so the
+fuse pass sees ``all_reduce -> +bias -> +residual -> norm``. The sum is the same in exact
+arithmetic; in floating point the order of the adds changes (the biases are summed before they
+meet the rows, the residual comes last), as it does for the merge itself:
+``tests/passes/test_merge_all_reduces.py`` bounds the difference against the block as written.
 """
 
 from __future__ import annotations
@@ -163,10 +176,104 @@ def match_pair(add: fx.Node) -> tuple[Side, Side]:
     return a, b
 
 
+def _add_tree(root: fx.Node) -> tuple[list[fx.Node], list]:
+    """``(inner adds, leaves in order)`` of the tree of plain adds under ``root``: an operand is an
+    inner add where it is a plain add read only by its parent, of the root's shape and dtype."""
+    t = val(root)
+    inner, leaves = [root], []
+
+    def walk(n):
+        for o in n.args:
+            to = val(o) if isinstance(o, fx.Node) else None
+            if (is_call(o, aten.add.Tensor) and not o.kwargs and len(o.args) == 2 and len(o.users) == 1
+                    and to is not None and to.shape == t.shape and to.dtype == t.dtype):
+                inner.append(o)
+                walk(o)
+            else:
+                leaves.append(o)
+
+    walk(root)
+    return inner, leaves
+
+
+def _reduced_group(leaf) -> str | None:
+    """The group of the sum-reduction ``leaf`` traces back to (as :func:`match_pair` would), else None."""
+    try:
+        side = _trace_back(leaf)
+    except NoMerge:
+        return None
+    ar = side.all_reduce
+    ok = ar.args[1] == "sum" and val(ar.args[0]) is not None and val(ar.args[0]).is_floating_point()
+    return ar.args[2] if ok else None
+
+
+def reassociate(graph: fx.Graph) -> int:
+    """Rewrite each add tree holding two or more sum-reductions over one group among other terms
+    (module doc: parallel blocks) so that the reductions are added first; returns how many trees."""
+    fake_mode, done = None, 0
+    for root in list(graph.nodes):
+        if root.graph is not graph or not is_call(root, aten.add.Tensor) or root.kwargs or len(root.args) != 2:
+            continue
+        t = val(root)
+        if t is None or not t.is_floating_point():
+            continue
+        parent = next(iter(root.users)) if len(root.users) == 1 else None
+        if parent is not None and _add_tree(parent)[0].count(root):
+            continue  # an inner node of a larger tree: rewritten from its root
+        inner, leaves = _add_tree(root)
+        if len(leaves) < 3 or not all(isinstance(x, fx.Node) and val(x) is not None for x in leaves):
+            continue
+        groups = [_reduced_group(x) for x in leaves]
+        by_group: dict[str, list[int]] = {}
+        for i, g in enumerate(groups):
+            if g is not None:
+                by_group.setdefault(g, []).append(i)
+        first = next((ix for ix in by_group.values() if len(ix) >= 2), None)
+        if first is None:
+            continue
+        reduced = [leaves[i] for i in first]
+        rest = [x for i, x in enumerate(leaves) if i not in first]
+        full = [x for x in rest if val(x).shape == t.shape]
+        broadcast = [x for x in rest if val(x).shape != t.shape]
+        if any(torch.broadcast_shapes(val(x).shape, t.shape) != t.shape for x in broadcast):
+            continue  # a term that widens the result: leave the tree as written
+        if len(reduced) == 2 and not rest:
+            continue  # already the pair the merge takes
+        fake_mode = fake_mode or fake_mode_of(graph)
+        made: list[fx.Node] = []
+
+        def add(x, y):
+            made.append(call_with_meta(graph, fake_mode, aten.add.Tensor, (x, y)))
+            return made[-1]
+
+        with graph.inserting_before(root):
+            s = reduced[0]
+            for x in reduced[1:]:
+                s = add(s, x)
+            if broadcast:
+                bias = broadcast[0]
+                for x in broadcast[1:]:
+                    bias = add(bias, x)
+                s = add(s, bias)
+            for x in full:
+                s = add(s, x)
+        if val(s).dtype != t.dtype or val(s).shape != t.shape:  # a promotion the order changed: as written
+            erase_if_dead(graph, made)
+            continue
+        root.replace_all_uses_with(s)
+        erase_if_dead(graph, inner)
+        done += 1
+        log.info("tokenweave: reassociated %s: %d reductions first, then %d bias and %d other terms",
+                 root.name, len(reduced), len(broadcast), len(full))
+    return done
+
+
 class MergeAllReducesPass(WeavePass):
-    """Merge every pair of sum-reductions over one group that only feed one add; returns what it did."""
+    """Merge every pair of sum-reductions over one group that only feed one add (after
+    :func:`reassociate`); returns what it did."""
 
     def __call__(self, graph: fx.Graph) -> list[Merge]:
+        reassociate(graph)
         merges: list[Merge] = []
         origin: dict[str, tuple[str, ...]] = {}  # merged node name -> the original all_reduces
         fake_mode = None

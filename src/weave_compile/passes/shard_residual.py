@@ -33,7 +33,7 @@ from weave_compile.ops import FUSED_OPS, WAIT_OP
 
 from .base import WeavePass
 from .fuse_allreduce_rmsnorm import MODEL_SHARDED_KEY, SITE_KEY
-from .graph_utils import fake_mode_of, is_call, named_args, replace_args, set_fake_val, val
+from .graph_utils import aten, fake_mode_of, is_call, named_args, replace_args, set_fake_val, val
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,8 @@ def _why_not_sharded(producer: fx.Node, item, readers: list[fx.Node]):
     """
     others = sorted({str(r.target) for r in readers if not is_call(r, *FUSED_OPS)})
     if others:
+        if any(is_call(r, aten.var_mean.correction) for r in readers):  # e.g. GPT-NeoX: two norms of one sum
+            return f"another LayerNorm: {', '.join(others)}; the fused op computes one norm"
         return ", ".join(others)
     mine = named_args(producer)
     for r in readers:
