@@ -303,3 +303,19 @@ def test_one_sum_read_by_two_layernorms_fuses_one_and_says_what_is_left(groups):
     assert "layernorm" in rep.sites[0].reason, rep.sites[0].reason
     assert rep.sites[0].residual.startswith("full (read by another LayerNorm:"), rep.sites[0].residual
     assert "the fused op computes one norm" in rep.sites[0].residual
+
+
+def test_adds_under_other_readers_and_scalars_are_walked_safely(groups):
+    """Adds whose reader is not an add (a view, a sum, the output), a scalar operand: no tree is
+    rewritten and the one all_reduce stays one site (HF models, through the backend:
+    tests/models and tests/passes/split_tokens)."""
+    g, _ = groups
+
+    def f(a, r, w):
+        y = _reduce(a, g)
+        h = (r + y) + 1.0
+        z = (h.view(T * H) + 2.0).view(T, H)
+        return _norm(z, w), h.sum(), r * 2 + z  # an add whose only reader is the graph's output
+
+    _, after, rep = _run(f, ((T, H), F32), ((T, H), F32), ((H,), F32))
+    assert rep.op_counts["all_reduce"][0] == 1, after

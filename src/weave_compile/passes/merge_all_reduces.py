@@ -176,17 +176,23 @@ def match_pair(add: fx.Node) -> tuple[Side, Side]:
     return a, b
 
 
+def _plain_add(n) -> bool:
+    """A two-operand ``aten.add.Tensor`` without ``alpha``, with a tensor value."""
+    return (is_call(n, aten.add.Tensor) and not n.kwargs and len(n.args) == 2
+            and isinstance(val(n), torch.Tensor))
+
+
 def _add_tree(root: fx.Node) -> tuple[list[fx.Node], list]:
-    """``(inner adds, leaves in order)`` of the tree of plain adds under ``root``: an operand is an
-    inner add where it is a plain add read only by its parent, of the root's shape and dtype."""
+    """``(inner adds, leaves in order)`` of the tree of plain adds under ``root`` (a plain add): an
+    operand is an inner add where it is a plain add read only by its parent, of the root's shape
+    and dtype."""
     t = val(root)
     inner, leaves = [root], []
 
     def walk(n):
         for o in n.args:
-            to = val(o) if isinstance(o, fx.Node) else None
-            if (is_call(o, aten.add.Tensor) and not o.kwargs and len(o.args) == 2 and len(o.users) == 1
-                    and to is not None and to.shape == t.shape and to.dtype == t.dtype):
+            if (_plain_add(o) and len(o.users) == 1 and val(o).shape == t.shape
+                    and val(o).dtype == t.dtype):
                 inner.append(o)
                 walk(o)
             else:
@@ -212,13 +218,11 @@ def reassociate(graph: fx.Graph) -> int:
     (module doc: parallel blocks) so that the reductions are added first; returns how many trees."""
     fake_mode, done = None, 0
     for root in list(graph.nodes):
-        if root.graph is not graph or not is_call(root, aten.add.Tensor) or root.kwargs or len(root.args) != 2:
+        if getattr(root, "_erased", False) or not _plain_add(root) or not val(root).is_floating_point():
             continue
         t = val(root)
-        if t is None or not t.is_floating_point():
-            continue
         parent = next(iter(root.users)) if len(root.users) == 1 else None
-        if parent is not None and _add_tree(parent)[0].count(root):
+        if parent is not None and _plain_add(parent) and root in _add_tree(parent)[0]:
             continue  # an inner node of a larger tree: rewritten from its root
         inner, leaves = _add_tree(root)
         if len(leaves) < 3 or not all(isinstance(x, fx.Node) and val(x) is not None for x in leaves):
