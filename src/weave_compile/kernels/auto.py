@@ -108,9 +108,7 @@ def invariant(name: str, why: str, site: Site) -> tuple[str, str]:
     from .measured import dispatch
 
     if name != AS_WRITTEN:
-        table = dispatch.decode(name)
-        names = [d for _, d in table] if table is not None else [name]
-        lacking = [n for n in names if not registry.get(n).batch_invariant]
+        lacking = [n for n in dispatch.designs(name) if not registry.get(n).batch_invariant]
         if not lacking:
             return name, f"{why}; batch-invariant: partial sums added in rank order in fp32"
         why = f"{why}; {', '.join(lacking)} does not add the partial sums in a fixed order"

@@ -148,9 +148,15 @@ def _depends_on(node: fx.Node, target: fx.Node, order: dict[fx.Node, int]) -> bo
     return False
 
 
+def _plain_add(n) -> bool:
+    """A two-operand ``aten.add.Tensor`` without ``alpha``, with a tensor value."""
+    return (is_call(n, aten.add.Tensor) and not n.kwargs and len(n.args) == 2
+            and isinstance(val(n), torch.Tensor))
+
+
 def match_pair(add: fx.Node) -> tuple[Side, Side]:
     """The two reductions ``add`` sums, if they may be merged; raises NoMerge with the reason."""
-    if not is_call(add, aten.add.Tensor) or add.kwargs or len(add.args) != 2:
+    if not _plain_add(add):
         raise NoMerge("not a plain tensor add")
     ta = val(add)
     sides = []
@@ -176,23 +182,20 @@ def match_pair(add: fx.Node) -> tuple[Side, Side]:
     return a, b
 
 
-def _plain_add(n) -> bool:
-    """A two-operand ``aten.add.Tensor`` without ``alpha``, with a tensor value."""
-    return (is_call(n, aten.add.Tensor) and not n.kwargs and len(n.args) == 2
-            and isinstance(val(n), torch.Tensor))
+def _inner(o, parent: fx.Node) -> bool:
+    """Whether operand ``o`` of the plain add ``parent`` belongs to its add tree: a plain add read
+    only by ``parent``, of its shape and dtype (so of the whole tree's)."""
+    return (_plain_add(o) and len(o.users) == 1 and val(o).shape == val(parent).shape
+            and val(o).dtype == val(parent).dtype)
 
 
 def _add_tree(root: fx.Node) -> tuple[list[fx.Node], list]:
-    """``(inner adds, leaves in order)`` of the tree of plain adds under ``root`` (a plain add): an
-    operand is an inner add where it is a plain add read only by its parent, of the root's shape
-    and dtype."""
-    t = val(root)
+    """``(inner adds, leaves in order)`` of the tree of plain adds under ``root`` (a plain add)."""
     inner, leaves = [root], []
 
     def walk(n):
         for o in n.args:
-            if (_plain_add(o) and len(o.users) == 1 and val(o).shape == t.shape
-                    and val(o).dtype == t.dtype):
+            if _inner(o, n):
                 inner.append(o)
                 walk(o)
             else:
@@ -222,7 +225,7 @@ def reassociate(graph: fx.Graph) -> int:
             continue
         t = val(root)
         parent = next(iter(root.users)) if len(root.users) == 1 else None
-        if parent is not None and _plain_add(parent) and root in _add_tree(parent)[0]:
+        if parent is not None and _plain_add(parent) and _inner(root, parent):
             continue  # an inner node of a larger tree: rewritten from its root
         inner, leaves = _add_tree(root)
         if len(leaves) < 3 or not all(isinstance(x, fx.Node) and val(x) is not None for x in leaves):
