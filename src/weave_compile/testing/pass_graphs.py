@@ -83,3 +83,42 @@ def excerpt(graph_text: str, node: str, max_lines: int = 16) -> str:
             if len(out) >= max_lines:
                 break
     return "\n".join(out)
+
+
+class _Captured(Exception):
+    """Stops Inductor's compile once the post-grad graph is recorded (codegen is not needed)."""
+
+
+def post_grad_graph(fn, *inputs) -> torch.fx.GraphModule:
+    """The post-grad ATen graph Inductor hands its custom post-pass (where the tokenweave passes
+    run) for ``torch.compile(fn)(*inputs)``: Inductor's decompositions, functionalization and its
+    own post-grad passes applied, the ``meta['val']`` fake values kept. Inductor stops there (no
+    codegen): seconds, not the tens of seconds of a full compile on this CPU. Parameters and
+    buffers of a module ``fn`` are graph inputs (placeholders) of the returned module."""
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    seen: list[torch.fx.GraphModule] = []
+
+    class Record(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            seen.append(torch.fx.GraphModule(graph.owning_module, graph))
+            raise _Captured
+
+        def uuid(self):
+            return None  # never served from the FX graph cache: the pass must run
+
+    def backend(gm, example_inputs):
+        try:
+            compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": Record(),
+                                                           "fx_graph_cache": False})
+        except Exception:
+            if not seen:
+                raise
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
+    if len(seen) != 1:
+        raise RuntimeError(f"expected one post-grad graph, got {len(seen)}")
+    return seen[0]
