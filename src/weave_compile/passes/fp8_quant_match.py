@@ -297,6 +297,9 @@ def _parse(q: fx.Node, normed: fx.Node) -> Union[QuantMatch, _Declined]:
                            "as a per-row or static quant does)")
     dtype = cast_dtype(q)
     c = q.args[0]
+    if cast_dtype(c) in (torch.bfloat16, torch.float16):  # Inductor's form of a clamp on bf16 values
+        return _Declined(q, f"fp8 quant with the values rounded to {cast_dtype(c)} before the fp8 cast: "
+                            "not in the grammar")
     z, bound, clamp_nodes = _strip_clamp(c)
     if is_call(z, aten.div.Tensor) and isinstance(z.args[1], fx.Node):
         xf, s, recip, r_nodes = z.args[0], z.args[1], False, []
@@ -317,7 +320,7 @@ def _parse(q: fx.Node, normed: fx.Node) -> Union[QuantMatch, _Declined]:
         return unknown
     rows = lead[0] if lead and is_call(lead[0], *_VIEWS) else normed
     if val(z).dtype != torch.float32:
-        return _Declined(q, f"fp8 quant with the values scaled in {val(z).dtype} (rounded before the fp8 cast): "
+        return _Declined(q, f"fp8 quant with the values rounded to {val(z).dtype} before the fp8 cast: "
                             "not in the grammar")
     if dtype not in FP8_DTYPES:
         return _Declined(q, f"fp8 dtype {dtype}: only float8_e4m3fn and float8_e5m2 are fused")
@@ -430,5 +433,7 @@ def match_quant_readers(normed: fx.Node) -> tuple[Optional[QuantMatch], Optional
             return None, f"another reader needs the bf16 rows: {_op_name(other)}"
     if len({m.signature() for m in found}) > 1:
         kinds = sorted({m.describe() for m in found})
-        return None, f"the readers quantize the rows differently ({'; '.join(kinds)}): not fused"
+        scales = {m.static_scale.name for m in found if m.static_scale is not None}
+        how = "; ".join(kinds) + (f"; static scales {', '.join(sorted(scales))}" if len(scales) > 1 else "")
+        return None, f"the readers quantize the rows differently ({how}): not fused"
     return (dedupe_quant_chains(found) if len(found) > 1 else found[0]), None

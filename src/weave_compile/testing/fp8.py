@@ -99,9 +99,12 @@ class Fp8Linear(nn.Module):
         self.cfg = cfg
         w = linear.weight.detach().to(torch.float32)
         fmax = torch.finfo(cfg.dtype).max
-        w_scale = (w.abs().amax(dim=1, keepdim=True) / fmax).clamp(min=1e-12)
+        # Per-output-channel weight scales with per-row inputs, one tensor-wise scale with a static
+        # input scale: the pairs _scaled_mm takes ([T, 1] with [1, N], or 0-d with 0-d).
+        amax = w.abs().amax(dim=1, keepdim=True) if cfg.form != "static" else w.abs().amax()
+        w_scale = (amax / fmax).clamp(min=1e-12)
         self.register_buffer("weight", (w / w_scale).clamp(-fmax, fmax).to(cfg.dtype))
-        self.register_buffer("weight_scale", w_scale.t().contiguous())  # [1, N] for _scaled_mm
+        self.register_buffer("weight_scale", w_scale.t().contiguous())
         self.register_buffer("input_scale", torch.tensor(cfg.static_scale, dtype=torch.float32))
 
     def quantize(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,9 +120,7 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         q, scale = self.quantize(x2)
-        # _scaled_mm takes a [T, 1] row scale with a [1, N] column scale, or two 0-d scales.
-        w_scale = self.weight_scale if scale.dim() == 2 else self.weight_scale.amax()
-        y = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=w_scale, out_dtype=x.dtype)
+        y = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale, out_dtype=x.dtype)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -130,8 +131,10 @@ COLUMN_LINEARS = ("q", "k", "v", "gate", "up", "qkv", "gate_up")
 class FP8TPLlama(TPLlama):
     """:class:`TPLlama` with fp8 column-parallel linears (:class:`Fp8Linear`), quantized per ``fp8``.
 
-    A static-scale model shares one tensor-wise weight scale per linear (``_scaled_mm`` with two
-    0-d scales); the per-row forms use per-output-channel weight scales. Without a group (tp=1)
+    A static-scale model has one tensor-wise weight scale per linear (``_scaled_mm`` with two 0-d
+    scales); the per-row forms use per-output-channel weight scales. Each linear holds its own
+    static input scale: with separate q, k, v (``LlamaDims.merged`` False) their chains differ by
+    that scale and are not one quant; merged projections read one. Without a group (tp=1)
     it is the unsharded fp8 model: the same weights, for references."""
 
     def __init__(self, d: LlamaDims, fp8: Fp8Config = Fp8Config(), tp: int = 1, rank: int = 0, group=None,

@@ -94,7 +94,8 @@ def post_grad_graph(fn, *inputs) -> torch.fx.GraphModule:
     run) for ``torch.compile(fn)(*inputs)``: Inductor's decompositions, functionalization and its
     own post-grad passes applied, the ``meta['val']`` fake values kept. Inductor stops there (no
     codegen): seconds, not the tens of seconds of a full compile on this CPU. Parameters and
-    buffers of a module ``fn`` are graph inputs (placeholders) of the returned module."""
+    buffers of a module ``fn`` are graph inputs (placeholders) of the returned module; traced
+    under ``no_grad``: the inference graph."""
     from torch._inductor.compile_fx import compile_fx
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -118,7 +119,8 @@ def post_grad_graph(fn, *inputs) -> torch.fx.GraphModule:
         return gm.forward
 
     torch._dynamo.reset()
-    torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
+    with torch.no_grad():  # the inference graph (fp8 GEMMs have no derivative)
+        torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
     if len(seen) != 1:
         raise RuntimeError(f"expected one post-grad graph, got {len(seen)}")
     return seen[0]
