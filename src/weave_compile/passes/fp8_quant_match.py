@@ -399,11 +399,12 @@ def dedupe_quant_chains(chains: list[QuantMatch]) -> QuantMatch:
         m.q.replace_all_uses_with(keep.q)
         if m.scales is not None:
             m.scales.replace_all_uses_with(keep.scales)
-    mine = set(keep.nodes)
+    gone = set(keep.nodes)  # kept, or already erased (chains may share nodes)
     for m in chains:
         for n in reversed(m.nodes):
-            if n not in mine and not n.users and n.graph is graph:
+            if n not in gone and not n.users:
                 graph.erase_node(n)
+                gone.add(n)
     stable_topological_sort(graph)
     return keep
 
