@@ -139,7 +139,7 @@ def test_the_runtime_fallback_on_cuda_tensors_runs_nccl(group, caplog):  # noqa:
         res = torch.randn(1, H, device="cuda", generator=g, dtype=torch.bfloat16)
         w = torch.randn(H, device="cuda", generator=g, dtype=torch.bfloat16)
         with caplog.at_level(logging.WARNING), fake_group.identity_collectives(), counting() as counted:
-            normed, _ = allreduce_add_rmsnorm(x, res, None, w, eps=1e-6, group_name=group,
+            normed, *_ = allreduce_add_rmsnorm(x, res, None, w, eps=1e-6, group_name=group,
                                               residual_dtype=torch.bfloat16, out_dtype=torch.bfloat16, mid_dtype=None,
                                               weight_offset=0.0, residual_in_sharded=False,
                                               residual_out_sharded=False, kernel="standin_full", comm_ctas=32)

@@ -289,7 +289,7 @@ def _op_rank(rank, world):
     c = case(5, 16, "fp32", res="full", seed=3)
     xs, residual, bias, weight = make_inputs(c, world, "cpu")
     group = dist.group.WORLD.group_name
-    normed, res_out = ar.allreduce_add_rmsnorm(xs[rank], residual, bias, weight, 1e-6, group, torch.float32,
+    normed, res_out, _ = ar.allreduce_add_rmsnorm(xs[rank], residual, bias, weight, 1e-6, group, torch.float32,
                                                torch.float32, None, 0.0, False, False, "oneshot", 8)
     errs = mismatches(c, world, rank, normed, res_out, *expected(c, xs, residual, bias, weight))
     assert not errs, errs

@@ -201,7 +201,7 @@ def _symm_rank(rank, world):
         xs, residual, bias, weight = make_inputs(c, world, torch.device("cuda", rank))
         x, res_in = rank_args(c, world, rank, xs, residual)
         in_sh, out_sh = flags(c)
-        normed, res_out = ar.allreduce_add_rmsnorm(x, res_in, bias, weight, 1e-6, group, torch.bfloat16,
+        normed, res_out, _ = ar.allreduce_add_rmsnorm(x, res_in, bias, weight, 1e-6, group, torch.bfloat16,
                                                    torch.bfloat16, None, 0.0, in_sh, out_sh, "oneshot", 32)
         errs += mismatches(c, world, rank, normed, res_out, *expected(c, xs, residual, bias, weight))
     return errs

@@ -61,7 +61,7 @@ def _run_cases(rank, world_size, seed):
         if in_sh and residual is not None:
             padded = torch.nn.functional.pad(residual, (0, 0, 0, per * world_size - T))
             residual = padded[rank * per:(rank + 1) * per].clone()
-        normed, res = allreduce_add_rmsnorm(
+        normed, res, _ = allreduce_add_rmsnorm(
             x=partials[rank], residual=residual, bias=bias, weight=weight, eps=1e-5, group_name="0",
             residual_dtype=dtype, out_dtype=dtype, mid_dtype=_mid(case), weight_offset=_offset(case),
             residual_in_sharded=in_sh, residual_out_sharded=out_sh, kernel="reference", comm_ctas=16,
@@ -111,7 +111,7 @@ def test_fake_impl_shapes_including_sharded_and_symbolic(monkeypatch):
         w = torch.empty(16)
         for in_sh, out_sh in itertools.product([False, True], repeat=2):
             residual = torch.empty(4, 16) if in_sh else torch.empty(3, 5, 16)
-            normed, res = allreduce_add_rmsnorm(
+            normed, res, _ = allreduce_add_rmsnorm(
                 x, residual, None, w, eps=1e-6, group_name="g", residual_dtype=torch.float32,
                 out_dtype=torch.bfloat16, mid_dtype=torch.float32, weight_offset=0.0, residual_in_sharded=in_sh,
                 residual_out_sharded=out_sh, kernel="reference", comm_ctas=8)
@@ -149,7 +149,7 @@ def _start_then_wait(rank, world_size, seed):
     args = dict(x=x, residual=res, bias=None, weight=w, eps=1e-6, group_name=dist.group.WORLD.group_name,
                 residual_dtype=torch.float32, out_dtype=torch.float32, mid_dtype=None, weight_offset=0.0,
                 residual_in_sharded=False, residual_out_sharded=False, kernel="reference", comm_ctas=8)
-    normed, res_out = START_OP(**args)
+    normed, res_out, _ = START_OP(**args)
     WAIT_OP(normed, res_out, [x, res])
     want = FUSED_OP(**args)
     return torch.equal(normed, want[0]) and torch.equal(res_out, want[1])

@@ -27,7 +27,7 @@ def _compile(rank, world_size):
     out = {}
     for slot in (-1, 1):
         def f(x, res, w):
-            normed, r = torch.ops.weave.allreduce_add_rmsnorm(
+            normed, r, _ = torch.ops.weave.allreduce_add_rmsnorm(
                 x, res, None, w, 1e-6, group, torch.float32, torch.float32, None, 0.0, False, False,
                 "reference", 8, None, None, slot)
             return normed * 2 + 1, r

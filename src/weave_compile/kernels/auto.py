@@ -157,6 +157,9 @@ def takes(impl: Implementation, site: Site) -> Optional[str]:
     if site.norm == "layernorm" and not impl.takes_layernorm:
         takers = [e.name for e in registry.implementations() if e.takes_layernorm]
         return f"LayerNorm site: only {', '.join(takers)} compute a LayerNorm (the others RMSNorm only)"
+    if site.quant is not None and not impl.takes_quant:
+        takers = [e.name for e in registry.implementations() if e.takes_quant]
+        return f"{site.quant.describe()} epilogue: only {', '.join(takers)} quantize inside the op"
     return None
 
 

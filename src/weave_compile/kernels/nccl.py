@@ -31,6 +31,7 @@ from typing import Optional
 
 import torch
 
+from weave_compile.quant import gather_quantized, quantize_rows
 from weave_compile.rows import (all_gather_rows, group_size_rank, ordered_sum_rows, pad_rows, reduce_scatter_rows,
                                 rows_of_rank)
 
@@ -39,8 +40,9 @@ from .shared import addnorm
 from .spec import FusedSpec, Rows
 
 
-def fused_allreduce_rmsnorm_nccl(rows: Rows, spec: FusedSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(normed [T, H], residual_out [T, H] or this rank's [S, H] shard)``; collective."""
+def fused_allreduce_rmsnorm_nccl(rows: Rows, spec: FusedSpec) -> tuple[torch.Tensor, ...]:
+    """``(normed [T, H], residual_out [T, H] or this rank's [S, H] shard)`` (with an fp8 epilogue:
+    the fp8 rows first and the row scales third); collective."""
     world_size, rank = group_size_rank(spec.group_name)
     x, residual = rows.x, rows.residual
     T, H = x.shape
@@ -61,6 +63,11 @@ def fused_allreduce_rmsnorm_nccl(rows: Rows, spec: FusedSpec) -> tuple[torch.Ten
                              n_valid=n_mine, eps=rows.eps(spec), mid_dtype=spec.mid_dtype,
                              weight_offset=spec.weight_offset, num_ctas=addnorm.ctas_for(spec, S),
                              norm=spec.norm, norm_bias=rows.norm_bias)
+    if spec.quant is not None:  # this rank's rows quantized, gathered as fp8 codes and row scales
+        q, scales = gather_quantized(*quantize_rows(normed_shard, spec.quant, rows.quant_scale), spec.group_name,
+                                     world_size, T)
+        res = res_shard if spec.residual_out_sharded else all_gather_rows(res_shard, spec.group_name, world_size)[:T]
+        return q, res, scales
     normed = all_gather_rows(normed_shard, spec.group_name, world_size)[:T]
     if spec.residual_out_sharded:
         return normed, res_shard
@@ -77,4 +84,4 @@ def _check(site: Site) -> Optional[str]:
 IMPLEMENTATION = Implementation(
     "nccl", "NCCL reduce-scatter, the few-CTA add+norm kernel, NCCL all-gather (the overlap baseline)",
     _check, fused_allreduce_rmsnorm_nccl, takes_scale=True, takes_eps_tensor=True, takes_layernorm=True,
-    gpu_fallback=True, batch_invariant=True)
+    gpu_fallback=True, batch_invariant=True, takes_quant=True)

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from weave_compile.quant import gather_quantized, quantize_rows
 from weave_compile.rows import (all_gather_rows, group_size_rank, norm_rows, ordered_sum_rows, pad_rows,
                                 reduce_scatter_rows, rows_per_rank)
 
@@ -25,8 +26,9 @@ from .registry import Implementation
 from .spec import FusedSpec, Rows
 
 
-def reference_impl(rows: Rows, spec: FusedSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reduce-scatter -> add -> RMSNorm (or LayerNorm) on this rank's rows -> all-gather; outputs as rows."""
+def reference_impl(rows: Rows, spec: FusedSpec) -> tuple[torch.Tensor, ...]:
+    """Reduce-scatter -> add -> RMSNorm (or LayerNorm) (-> fp8) on this rank's rows -> all-gather;
+    outputs as rows."""
     world_size, rank = group_size_rank(spec.group_name)
     x = rows.x
     total, hidden = x.shape
@@ -50,6 +52,12 @@ def reference_impl(rows: Rows, spec: FusedSpec) -> tuple[torch.Tensor, torch.Ten
     res_shard = acc.to(spec.residual_dtype)
     normed_shard = norm_rows(res_shard, rows.weight, rows.eps(spec), spec.out_dtype, spec.mid_dtype, spec.weight_offset,
                              spec.norm, rows.norm_bias)
+    if spec.quant is not None:  # the normed rows move as fp8 codes and row scales
+        q, scales = gather_quantized(*quantize_rows(normed_shard, spec.quant, rows.quant_scale), spec.group_name,
+                                     world_size, total)
+        if spec.residual_out_sharded:
+            return q, res_shard, scales
+        return q, all_gather_rows(res_shard, spec.group_name, world_size)[:total], scales
 
     if spec.residual_out_sharded:
         return all_gather_rows(normed_shard, spec.group_name, world_size)[:total], res_shard
@@ -65,7 +73,7 @@ def reference_impl(rows: Rows, spec: FusedSpec) -> tuple[torch.Tensor, torch.Ten
 IMPLEMENTATION = Implementation(
     "reference", "reduce-scatter, add + RMSNorm or LayerNorm on this rank's rows, all-gather (functional collectives)",
     lambda site: None, reference_impl, takes_scale=True, takes_eps_tensor=True, takes_layernorm=True, fallback=True,
-    batch_invariant=True)
+    batch_invariant=True, takes_quant=True)
 
 
 # ----------------------------------------------------------------------------- float64 oracle

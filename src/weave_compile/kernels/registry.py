@@ -28,7 +28,9 @@ from .spec import FusedSpec, Rows
 #: The ``kernel`` option that lets :mod:`.auto` choose; never an implementation's name.
 AUTO = "auto"
 
-Outputs = tuple[torch.Tensor, torch.Tensor]
+#: ``(normed, residual_out)``, and the per-row scales third where the spec has an fp8 epilogue
+#: (``FusedSpec.quant``, kind "row"; an empty tensor or nothing for "static").
+Outputs = tuple[torch.Tensor, ...]
 
 
 class NormTerms(NamedTuple):
@@ -71,6 +73,9 @@ class Site:
     comm_ctas: Optional[int] = None  # the thread blocks the op will run with (None: the default)
     terms: Optional[NormTerms] = None  # None: unknown (a reservation then covers every case)
     batch_invariant: bool = False  # the option: only implementations that claim it may run here
+    #: the fp8 epilogue the site's op will run (``weave_compile.quant.QuantSpec``; None: none): only
+    #: implementations with ``takes_quant`` may run here
+    quant: Optional[object] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +121,9 @@ class Implementation:
     #: (0, 1, ..., N-1) in fp32 and computes the rest of the row as for any other row: a row's
     #: outputs are then the same whatever T, the other rows, the launch and the owning rank.
     batch_invariant: bool = False
+    #: Computes the fp8 epilogue (``FusedSpec.quant``: the normed rows quantized on this rank's rows,
+    #: gathered as fp8 codes and row scales; ``weave_compile.quant``); the others return bf16 rows.
+    takes_quant: bool = False
     #: The implementation every other falls back to off GPUs, and the oracle (exactly one is
     #: registered); on a GPU it runs only where forced (its body is eager torch ops).
     fallback: bool = False

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from weave_compile.quant import QuantSpec
 from weave_compile.rows import NORMS
 
 #: Thread blocks the fused communication may occupy at most: the signal slots each channel of a
@@ -35,7 +36,9 @@ class FusedSpec:
     it and a local kernel takes as many CTAs as its rows fill (a kernel of few CTAs alone is
     slower than Inductor's own add+norm, docs/performance.md). ``norm``: ``"rmsnorm"`` or
     ``"layernorm"`` (the row's mean subtracted first; only implementations with
-    ``takes_layernorm`` are handed one, and only they get a post-norm bias, ``Rows.norm_bias``)."""
+    ``takes_layernorm`` are handed one, and only they get a post-norm bias, ``Rows.norm_bias``).
+    ``quant``: the fp8 epilogue (:class:`weave_compile.quant.QuantSpec`; None: none), handed only to
+    implementations with ``takes_quant``; its static scale is ``Rows.quant_scale``."""
 
     residual_dtype: torch.dtype
     out_dtype: torch.dtype
@@ -50,6 +53,7 @@ class FusedSpec:
     beside_compute: bool = False
     norm: str = "rmsnorm"
     batch_invariant: bool = False  # add the partial sums in rank order in fp32 (ops/allreduce_rmsnorm.py)
+    quant: Optional[QuantSpec] = None
 
     def __post_init__(self) -> None:
         for name in ("residual_dtype", "out_dtype"):
@@ -93,11 +97,13 @@ class Rows:
     eps_tensor: Optional[torch.Tensor] = None
     shape: tuple = ()
     norm_bias: Optional[torch.Tensor] = None
+    quant_scale: Optional[torch.Tensor] = None  # the fp8 epilogue's static scale (0-d or one element)
 
     @classmethod
     def of(cls, x: torch.Tensor, residual: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
            weight: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None,
-           eps_tensor: Optional[torch.Tensor] = None, norm_bias: Optional[torch.Tensor] = None) -> "Rows":
+           eps_tensor: Optional[torch.Tensor] = None, norm_bias: Optional[torch.Tensor] = None,
+           quant_scale: Optional[torch.Tensor] = None) -> "Rows":
         """Views of the op's tensors as rows. A sharded residual is this rank's rows in any shape
         with ``H`` last (the shard pass hands on ``[S, H]``, a sequence-parallel model its own
         ``[B, S/N, H]`` or ``[S/N, B, H]``)."""
@@ -106,11 +112,14 @@ class Rows:
             if t is not None and t.numel() != hidden:
                 raise ValueError(f"{name} must have {hidden} elements (one per hidden column), "
                                  f"got shape {tuple(t.shape)}")
+        if quant_scale is not None and quant_scale.numel() != 1:
+            raise ValueError(f"quant_scale must have one element (a static per-tensor scale), "
+                             f"got shape {tuple(quant_scale.shape)}")
         if residual is not None:
             residual = residual.reshape(-1, hidden)
         return cls(x.reshape(-1, hidden), residual, None if bias is None else bias.reshape(hidden),
                    None if weight is None else weight.reshape(hidden), scale, eps_tensor, tuple(x.shape),
-                   None if norm_bias is None else norm_bias.reshape(hidden))
+                   None if norm_bias is None else norm_bias.reshape(hidden), quant_scale)
 
     def eps(self, spec: FusedSpec):
         """The norm's eps: ``eps_tensor`` where given (0-d, read where it lives), else ``spec.eps``."""
@@ -124,8 +133,14 @@ class Rows:
     def hidden(self) -> int:
         return self.x.shape[1]
 
-    def restore(self, normed: torch.Tensor, residual_out: torch.Tensor,
-                residual_out_sharded: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The outputs in the op input's shape (a sharded residual output stays [S, H])."""
+    def restore(self, normed: torch.Tensor, residual_out: torch.Tensor, residual_out_sharded: bool,
+                scales: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The outputs in the op input's shape (a sharded residual output stays [S, H]); ``scales``
+        (an fp8 epilogue's per-row scales, [T, 1]) as ``[..., 1]``, or empty where there are none."""
         shape = self.shape or tuple(self.x.shape)
-        return normed.reshape(shape), (residual_out if residual_out_sharded else residual_out.reshape(shape))
+        if scales is None or scales.numel() == 0:
+            scales = self.x.new_empty((0,), dtype=torch.float32)
+        else:
+            scales = scales.reshape(*shape[:-1], 1)
+        return (normed.reshape(shape), (residual_out if residual_out_sharded else residual_out.reshape(shape)),
+                scales)

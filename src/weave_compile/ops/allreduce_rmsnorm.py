@@ -15,6 +15,12 @@ Contract, per row (rows are the flattened leading dims of ``x``; ``x`` is this r
     y      = y * (weight.float() + weight_offset)  if weight is not None  # offset 1.0: Gemma (1 + w)
     y      = y + norm_bias.float()            if norm_bias is not None   # a LayerNorm's bias, after the weight
     normed = y.to(out_dtype)
+    normed, scales = quantize(normed)         if quant                   # the fp8 epilogue: weave_compile.quant
+
+With ``quant`` ("row" or "static") the first output is the fp8 rows (``quant_dtype``) and the
+third the per-row scales (``[..., 1]`` fp32; empty for "static" and without ``quant``); the
+all-gather then moves fp8 codes and one fp32 scale per row. The three outputs are always
+``(normed, residual_out, scales)``.
 
 Rows are split into ``S = ceil(T / N)`` rows per rank (padded with zero rows); rank ``r`` owns
 rows ``[r*S, (r+1)*S)``. A *sharded* residual is that ``[S, H]`` slice: with
@@ -47,6 +53,7 @@ import torch
 
 from weave_compile import kernels
 from weave_compile.kernels import FusedSpec, Rows, auto
+from weave_compile.quant import QuantSpec
 from weave_compile.rows import group_size, num_rows, rows_per_rank
 
 log = logging.getLogger(__name__)
@@ -73,7 +80,15 @@ def _arguments(
     norm: str = "rmsnorm",
     norm_bias: Optional[torch.Tensor] = None,
     batch_invariant: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    quant: str = "",
+    quant_dtype: Optional[torch.dtype] = None,
+    quant_max: float = 0.0,
+    quant_floor: float = 0.0,
+    quant_reciprocal: bool = False,
+    quant_clamp: bool = True,
+    quant_scale: Optional[torch.Tensor] = None,
+    quant_scale_dtype: Optional[torch.dtype] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The one definition of the fused op's arguments (never called).
 
     ``scale`` (a 0-d tensor, e.g. Gemma's embedding scale) multiplies the reduced sum. Like
@@ -96,12 +111,16 @@ def _arguments(
     ``batch_invariant``: add the ranks' partial sums in rank order (0, 1, ..., N-1) in fp32, so a
     row's outputs do not depend on the token count, the other rows or the rank that owns it; only
     implementations that claim it (``Implementation.batch_invariant``) are given it.
+    ``quant`` ("" none, "row", "static") and the ``quant_*`` arguments: the fp8 epilogue
+    (:class:`weave_compile.quant.QuantSpec`; ``quant_scale`` the static scale, one element); only
+    implementations that take it (``takes_quant``) are given it; ``quant_scale_dtype`` (None:
+    float32) is the dtype a row scale's quotient is rounded to before it becomes fp32.
     """
     raise NotImplementedError
 
 
 _SIGNATURE = inspect.signature(_arguments)
-#: ``(Tensor x, Tensor? residual, ...) -> (Tensor, Tensor)``: both ops' schema.
+#: ``(Tensor x, Tensor? residual, ...) -> (Tensor, Tensor, Tensor)``: both ops' schema.
 SCHEMA = torch.library.infer_schema(_arguments, mutates_args=())
 #: The arguments in schema order.
 ARG_NAMES = tuple(_SIGNATURE.parameters)
@@ -114,13 +133,13 @@ def bind(args: tuple, kwargs: dict) -> dict[str, Any]:
     return dict(bound.arguments)
 
 
-def _fused(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(normed, residual_out)`` of ``all_reduce(x) (*scale) (+bias) (+residual) -> RMSNorm`` (or
-    LayerNorm); see module doc."""
+def _fused(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(normed, residual_out, scales)`` of ``all_reduce(x) (*scale) (+bias) (+residual) -> RMSNorm``
+    (or LayerNorm) (-> fp8); see module doc."""
     return _call(bind(args, kwargs), beside_compute=False)
 
 
-def _call(a: dict[str, Any], beside_compute: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _call(a: dict[str, Any], beside_compute: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The op on its arguments by name; ``beside_compute``: it runs beside other work (the start op)."""
     # A name, or a table by token count (the measured choice): ValueError naming the valid ones.
     impl = auto.implementation_for(a["kernel"], num_rows(a["x"]))
@@ -135,6 +154,14 @@ def _call(a: dict[str, Any], beside_compute: bool) -> tuple[torch.Tensor, torch.
         raise ValueError(f"weave::allreduce_add_rmsnorm: kernel {impl.name!r} computes RMSNorm only (no norm="
                          f"{a['norm']!r}, no norm_bias); a LayerNorm is taken by "
                          f"{[e.name for e in kernels.implementations() if e.takes_layernorm]}")
+    quant = QuantSpec.of(a["quant"], a["quant_dtype"], a["quant_max"], a["quant_floor"], a["quant_reciprocal"],
+                         a["quant_clamp"], a["quant_scale_dtype"])
+    if quant is not None and not impl.takes_quant:
+        raise ValueError(f"weave::allreduce_add_rmsnorm: kernel {impl.name!r} has no fp8 epilogue (quant="
+                         f"{a['quant']!r}); it is taken by {[e.name for e in kernels.implementations() if e.takes_quant]}")
+    if quant is not None and (quant.kind == "static") != (a["quant_scale"] is not None):
+        raise ValueError("weave::allreduce_add_rmsnorm: quant_scale is given with quant='static' and only then, "
+                         f"got quant={a['quant']!r} and quant_scale={'a tensor' if a['quant_scale'] is not None else None}")
     eps, eps_tensor = a["eps"], a["eps_tensor"]
     if eps_tensor is not None and not impl.takes_eps_tensor:
         # A host tensor (the pass passes the graph's own input): no device sync.
@@ -147,13 +174,16 @@ def _call(a: dict[str, Any], beside_compute: bool) -> tuple[torch.Tensor, torch.
                      group_name=a["group_name"], mid_dtype=a["mid_dtype"], weight_offset=a["weight_offset"],
                      residual_in_sharded=a["residual_in_sharded"], residual_out_sharded=a["residual_out_sharded"],
                      comm_ctas=a["comm_ctas"], out_slot=a["out_slot"], beside_compute=beside_compute,
-                     norm=a["norm"], batch_invariant=a["batch_invariant"])
-    rows = Rows.of(a["x"], a["residual"], a["bias"], a["weight"], a["scale"], eps_tensor, a["norm_bias"])
-    return rows.restore(*_run(impl, rows, spec), spec.residual_out_sharded)
+                     norm=a["norm"], batch_invariant=a["batch_invariant"], quant=quant)
+    rows = Rows.of(a["x"], a["residual"], a["bias"], a["weight"], a["scale"], eps_tensor, a["norm_bias"],
+                   a["quant_scale"])
+    normed, residual_out, *scales = _run(impl, rows, spec)
+    return rows.restore(normed, residual_out, spec.residual_out_sharded, *scales)
 
 
-def _run(impl: kernels.Implementation, rows: Rows, spec: FusedSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """``impl``'s outputs, or the run-time fallback's where it cannot run now."""
+def _run(impl: kernels.Implementation, rows: Rows, spec: FusedSpec) -> tuple:
+    """``impl``'s outputs (``(normed, residual_out)``, with the scales third where ``spec.quant``), or
+    the run-time fallback's where it cannot run now."""
     if impl.fallback:  # reference: the CPU path, or forced; it runs wherever a process group does
         return impl.run(rows, spec)
     why = f"it does not run on these tensors ({rows.x.device})"
@@ -177,14 +207,18 @@ def _log_fallback_once(kernel: str, fallback: str, reason: str) -> None:
     log.warning("weave::allreduce_add_rmsnorm: %s kernel fell back to %s: %s", kernel, fallback, reason)
 
 
-def _fake(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+def _fake(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     a = bind(args, kwargs)
     x = a["x"]
-    normed = x.new_empty(x.shape, dtype=a["out_dtype"])
+    normed = x.new_empty(x.shape, dtype=a["quant_dtype"] if a["quant"] else a["out_dtype"])
+    if a["quant"] == "row":
+        scales = x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+    else:
+        scales = x.new_empty((0,), dtype=torch.float32)
     if a["residual_out_sharded"]:
         per_rank = rows_per_rank(num_rows(x), group_size(a["group_name"]))
-        return normed, x.new_empty((per_rank, x.shape[-1]), dtype=a["residual_dtype"])
-    return normed, x.new_empty(x.shape, dtype=a["residual_dtype"])
+        return normed, x.new_empty((per_rank, x.shape[-1]), dtype=a["residual_dtype"]), scales
+    return normed, x.new_empty(x.shape, dtype=a["residual_dtype"]), scales
 
 
 allreduce_add_rmsnorm = torch.library.custom_op("weave::allreduce_add_rmsnorm", _fused, mutates_args=(),
@@ -195,7 +229,7 @@ allreduce_add_rmsnorm.register_fake(_fake)
 # ----------------------------------------------------------------------------- async form
 
 
-def _start(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+def _start(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``weave::allreduce_add_rmsnorm`` launched on the communication stream (the split schedule's form).
 
     Same arguments and results, but on CUDA the work is enqueued on
@@ -214,12 +248,12 @@ def _start(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
 
     current = torch.cuda.current_stream(x.device)
     with torch.cuda.stream(streams.fork(x.device)):
-        normed, residual_out = _call(a, beside_compute=True)
-    streams.mark_done(normed)
+        outs = _call(a, beside_compute=True)
+    streams.mark_done(outs[0])
     # Allocated on the comm stream, freed by code on the current one: tell the allocator.
-    normed.record_stream(current)
-    residual_out.record_stream(current)
-    return normed, residual_out
+    for t in outs:
+        t.record_stream(current)
+    return outs
 
 
 allreduce_add_rmsnorm_start = torch.library.custom_op("weave::allreduce_add_rmsnorm_start", _start,
@@ -227,12 +261,14 @@ allreduce_add_rmsnorm_start = torch.library.custom_op("weave::allreduce_add_rmsn
 allreduce_add_rmsnorm_start.register_fake(_fake)
 
 
-@torch.library.custom_op("weave::comm_wait", mutates_args=("normed", "residual_out"))
-def comm_wait(normed: torch.Tensor, residual_out: torch.Tensor, keep_alive: list[torch.Tensor]) -> None:
+@torch.library.custom_op("weave::comm_wait", mutates_args=("normed", "residual_out", "scales"))
+def comm_wait(normed: torch.Tensor, residual_out: torch.Tensor, keep_alive: list[torch.Tensor],
+              scales: Optional[torch.Tensor] = None) -> None:
     """Make the current stream wait for the start op that produced ``normed`` (only for it).
 
-    Declared as writing ``normed`` and ``residual_out`` so that the compiler orders every reader
-    of the results after it; ``keep_alive`` (the start's inputs) holds their memory until here.
+    Declared as writing ``normed``, ``residual_out`` and ``scales`` (an fp8 epilogue's; None
+    without one) so that the compiler orders every reader of the results after it; ``keep_alive``
+    (the start's inputs) holds their memory until here.
     """
     if normed.is_cuda:
         from weave_compile.ops import streams
@@ -241,7 +277,7 @@ def comm_wait(normed: torch.Tensor, residual_out: torch.Tensor, keep_alive: list
 
 
 @comm_wait.register_fake
-def _(normed, residual_out, keep_alive):
+def _(normed, residual_out, keep_alive, scales=None):
     return None
 
 

@@ -34,7 +34,7 @@ or before a scale) blocks the rewrite.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -57,6 +57,8 @@ from .graph_utils import (
     prims,
     val,
 )
+from weave_compile.quant import QuantSpec
+
 from .layernorm_match import describe_layernorm, match_norm
 from .rmsnorm_match import NormMatch, feeds_layernorm, scalar_operand
 from .sequence_parallel import (
@@ -99,6 +101,16 @@ class SiteMatch:
     anchor: Optional[fx.Node] = None
     #: a reduce-scatter site's all-gather of the normed rows (None: an all_reduce site)
     gather: Optional[GatherTail] = None
+    #: the fp8 quantization every reader of the normed rows applies, taken into the op
+    #: (:mod:`.fp8_quant_match`; set by the fuse pass); None: the op returns the normed rows
+    quant: Optional[Any] = None
+
+    @property
+    def quant_spec(self) -> Optional[QuantSpec]:
+        q = self.quant
+        if q is None:
+            return None
+        return QuantSpec(q.kind, q.dtype, q.fp8_max, q.scale_floor or 0.0, q.reciprocal, q.clamp, q.scale_dtype)
 
     @property
     def residual_out(self) -> fx.Node:
@@ -113,6 +125,10 @@ class SiteMatch:
         terms = (("*scale", self.scale), ("+bias", self.bias), ("+residual" + more, self.residual))
         out = " ".join([self.collective.kind] + [t for t, node in terms if node is not None]) + " -> "
         out += self.norm.describe() + (" -> all_gather" if self.gather is not None else "")
+        if self.quant is not None:
+            spec = self.quant_spec
+            out += (f" -> {spec.describe()} epilogue, gathered in fp8: "
+                    f"{spec.row_bytes(int(val(self.collective.x).shape[-1]))} B/row")
         if self.extra_readers:
             out += f" (residual_out also read by {sum(len(r) for _, r in self.extra_readers)} other op(s))"
         return out
@@ -164,11 +180,14 @@ class SiteMatch:
                 # A reduce-scatter site's residual is the model's shard, and stays one.
                 residual_in_sharded=c.scatters and residual is not None, residual_out_sharded=c.scatters,
                 kernel=kernel, comm_ctas=comm_ctas, scale=scale, eps_tensor=eps_node, batch_invariant=batch_invariant,
+                **self._quant_args(),
             )
         with graph.inserting_after(fused):
             normed = getitem_with_meta(graph, fused, 0)
         with graph.inserting_after(normed):
             residual_out = getitem_with_meta(graph, fused, 1)
+        if self.quant is not None:  # the chain's readers read the op's fp8 rows and scales
+            self._serve_quant_readers(fake_mode, fused, normed, residual_out)
         if self.gather is None:
             self._serve_extra_readers(fake_mode, residual_out, self.extra_readers)
             norm_out.replace_all_uses_with(normed)
@@ -184,6 +203,34 @@ class SiteMatch:
         tail = self.gather.nodes if self.gather is not None else []
         erase_if_dead(graph, [c.node, *self.chain, *self.norm.nodes, *tail])
         return fused
+
+    def _serve_quant_readers(self, fake_mode, fused: fx.Node, q: fx.Node, after: fx.Node) -> None:
+        """Point the readers of the chain's fp8 rows and scales at the op's (viewed as the chain
+        viewed the normed rows, where it did: ``_scaled_mm`` takes ``[T, K]`` rows and ``[T, 1]``
+        scales) and erase the chain."""
+        graph = fused.graph
+        quant = self.quant
+        view = quant.rows if quant.rows is not None and quant.rows is not self.norm.out else None
+        outs = [(quant.q, q)]
+        if quant.scales is not None:
+            with graph.inserting_after(after):
+                after = getitem_with_meta(graph, fused, 2)
+            outs.append((quant.scales, after))
+        for old, new in outs:
+            if view is not None:  # the same view on the op's output (the scales: its last size 1)
+                sizes = list(view.args[1])
+                if old is not quant.q:
+                    sizes[-1] = 1
+                with graph.inserting_after(after):
+                    new = after = call_with_meta(graph, fake_mode, view.target, (new, sizes))
+            old.replace_all_uses_with(new)
+        erase_if_dead(graph, quant.nodes)
+
+    def _quant_args(self) -> dict:
+        """The op's fp8 epilogue arguments (none without :attr:`quant`)."""
+        if self.quant is None:
+            return {}
+        return dict(self.quant_spec.op_args(), quant_scale=self.quant.static_scale)
 
     def _sum_addends(self, fake_mode, insert_after: fx.Node) -> tuple[fx.Node, fx.Node]:
         """The residual and the further addends, each through the chain's views after it, summed in graph order."""

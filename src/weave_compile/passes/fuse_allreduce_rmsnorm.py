@@ -43,6 +43,7 @@ from weave_compile.report import SiteReport
 from weave_compile.rows import group_size
 
 from .allreduce_site import NoMatch, SiteMatch, match_site
+from . import fp8_quant_match
 from .base import WeavePass
 from .graph_utils import REDUCING_TARGETS, fake_mode_of, is_call, val
 from .sequence_parallel import collective_of
@@ -123,7 +124,7 @@ def site_of(m: SiteMatch, config: TokenWeaveConfig, split: bool = False) -> kern
         # A tensor eps reaches the op on the site's device (allreduce_site.eps_on_device).
         eps_on_device=isinstance(eps, fx.Node) and (val(eps).device.type != "cpu" or tx.device.type != "cpu"),
         out_in_place=config.output_in_place, comm_ctas=config.comm_ctas, terms=_terms(m),
-        batch_invariant=config.batch_invariant)
+        batch_invariant=config.batch_invariant, quant=m.quant_spec)
 
 
 def _terms(m: SiteMatch) -> kernels.NormTerms:
@@ -135,6 +136,24 @@ def _terms(m: SiteMatch) -> kernels.NormTerms:
     scale = dtype(m.scale) if isinstance(m.scale, fx.Node) else None if m.scale is None else torch.float32
     return kernels.NormTerms(bias=dtype(m.bias), weight=dtype(m.norm.weight), mid=m.norm.mid_dtype, scale=scale,
                              norm_bias=dtype(m.norm.bias))
+
+
+def _quant_of(m: SiteMatch) -> tuple[Optional[object], Optional[str]]:
+    """The fp8 quantization the site's op takes in (:mod:`.fp8_quant_match`), or None and why not
+    (None: no reader quantizes). A sequence-parallel site quantizes after its all-gather, and a static
+    scale computed after the op's place cannot be read there: both keep the quant outside."""
+    if m.gather is not None:
+        return None, None if fp8_quant_match.match_quant(m.gather.out) is None else \
+            "sequence-parallel site (its rows are gathered by the model's own all-gather before the quant)"
+    quant, why = fp8_quant_match.match_quant_readers(m.norm.out)
+    if quant is None:
+        return None, why
+    scale = quant.static_scale
+    if scale is not None and scale.op not in ("placeholder", "get_attr"):
+        order = {n: i for i, n in enumerate(m.collective.node.graph.nodes)}
+        if order[scale] > order[m.anchor]:
+            return None, f"the static scale {scale.name} is computed after the reduced rows are available"
+    return quant, None
 
 
 #: ``chooser(site name, site) -> (kernel, reason, reserve)``: the design a site gets (or
@@ -172,6 +191,7 @@ class FuseAllReduceRMSNormPass(WeavePass):
         return kernel, reason, True
 
     def _fuse(self, m: SiteMatch, site: SiteReport, fake_mode, split: bool, chooser: Chooser) -> None:
+        m.quant, quant_reason = _quant_of(m)
         where = site_of(m, self.config, split)
         try:
             kernel, kernel_reason, reserve = chooser(m.collective.node.name, where)
@@ -195,6 +215,8 @@ class FuseAllReduceRMSNormPass(WeavePass):
         self.matched_count += 1
         site.fused = True
         site.reason = m.describe() + (f" (norm intermediates kept for other users: {kept})" if kept else "")
+        if quant_reason:
+            site.reason += f"; the quantization after the norm stays outside the op: {quant_reason}"
         site.kernel, site.kernel_reason = kernel, kernel_reason
         site.residual = MODEL_SHARDED if m.collective.scatters else "full"
         log.info("tokenweave: fused %s: %s, kernel %s", m.collective.node.name, site.reason, kernel)

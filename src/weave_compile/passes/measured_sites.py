@@ -80,7 +80,8 @@ def signature_of(node: fx.Node, site: Site) -> Signature:
         residual_out_sharded=bool(a["residual_out_sharded"]), sequence_parallel=site.sequence_parallel,
         split=is_call(node, START_OP), beside=gemms_beside(node) if is_call(node, START_OP) else (),
         comm_ctas=int(a["comm_ctas"]), batch_invariant=bool(a["batch_invariant"]), out_slot=int(a["out_slot"]) >= 0,
-        tokens=tokens, token_range=None if static else site.token_range, norm=a["norm"], norm_bias=dt(a["norm_bias"]))
+        tokens=tokens, token_range=None if static else site.token_range, norm=a["norm"], norm_bias=dt(a["norm_bias"]),
+        quant=site.quant.encode() if site.quant is not None else None)
 
 
 #: The GEMMs recorded beside a split half's op (a layer's: QKV, O, gate+up, down and a few more).

@@ -25,6 +25,8 @@ from typing import Optional
 
 import torch
 
+from weave_compile.quant import QuantSpec
+
 #: The largest token bucket a symbolic token count is timed at on a GPU (a prefill of 16K tokens;
 #: the benchmarks' largest T). Larger calls run the largest bucket's winner.
 MAX_BUCKET_TOKENS = 16384
@@ -79,6 +81,8 @@ class Signature:
     token_range: Optional[tuple[int, Optional[int]]] = None  # of a symbolic count, as bounded
     norm: str = "rmsnorm"  # or "layernorm"
     norm_bias: Optional[str] = None  # a LayerNorm's bias (after the weight)
+    #: the fp8 epilogue (``weave_compile.quant.QuantSpec.encode``); None: none
+    quant: Optional[str] = None
 
     @property
     def world_size(self) -> int:
@@ -111,6 +115,8 @@ class Signature:
         layout = ("res " + ("shard" if self.residual_in_sharded else "full") + "->"
                   + ("shard" if self.residual_out_sharded else "full")) if self.residual_in else "no residual"
         kind = ("sequence-parallel " if self.sequence_parallel else "") + ("LayerNorm " if self.norm == "layernorm" else "")
+        if self.quant:
+            terms.append(QuantSpec.decode(self.quant).describe())
         # T is the table's own column (a symbolic T has a row per bucket)
         return (f"{kind}H={self.hidden} {self.dtype} x{self.world_size}, {layout}"
                 + (f", {'+'.join(terms)}" if terms else "") + (", split half" if self.split else "")
@@ -147,5 +153,5 @@ def bucket_of(buckets: tuple[int, ...], num_tokens: int) -> int:
 
 
 #: Fields added after signatures were first cached, left out of :meth:`Signature.key` at their defaults.
-_ADDED_LATER = ("norm", "norm_bias")
+_ADDED_LATER = ("norm", "norm_bias", "quant")
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Signature)}

@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ...quant import QuantSpec, dequantize, quantize_ref, quantize_rows
 from ...rows import norm_rows, rows_of_rank, rows_per_rank
 from .signature import Signature, dtype_of
 
@@ -57,6 +58,11 @@ CHECK_MAX_TOKENS = 1024
 #: The check's tolerance: relative norm error of the outputs against the float64 oracle, and of
 #: any one row (a design that gets one row wrong fails), per output dtype.
 CHECK_REL_TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+#: An fp8 epilogue's rows, dequantized, against the oracle's rows quantized in float64: a code one
+#: step off (where the normed row's rounding moved a value across a rounding boundary) is 6-25% of
+#: that value (e4m3: 3 mantissa bits, e5m2: 2); a few percent of codes off stays well inside this,
+#: a wrong scale or row is far outside it.
+QUANT_REL_TOL = 6e-2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +112,7 @@ class Inputs:
     norm_bias: Optional[torch.Tensor] = None  # a LayerNorm's bias, after the weight
     #: a split half's: the operands of the GEMMs the other half runs beside its op (timing only)
     gemms: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    quant_scale: Optional[torch.Tensor] = None  # a static fp8 epilogue's scale (0-d fp32)
 
 
 EPS = 1e-6
@@ -154,7 +161,11 @@ def make_inputs(sig: Signature, num_tokens: int, group_rank: int, device: torch.
         (randn(num_tokens if m is None else m, k, dtype=dt, gen_seed=seed * 64 + 58 - 2 * i),
          randn(k, n, dtype=dt, gen_seed=seed * 64 + 57 - 2 * i) * k ** -0.5)
         for i, (m, k, n) in enumerate(sig.beside))
-    return Inputs(x, residual_full, residual, bias, weight, scale, eps_tensor, partials, norm_bias, gemms)
+    quant = QuantSpec.decode(sig.quant) if sig.quant else None
+    # A static scale that puts the rows' largest values near the format's top (what calibration gives).
+    quant_scale = torch.tensor(4.0 / quant.fp8_max, dtype=torch.float32, device=device) \
+        if quant is not None and quant.kind == "static" else None
+    return Inputs(x, residual_full, residual, bias, weight, scale, eps_tensor, partials, norm_bias, gemms, quant_scale)
 
 
 # ----------------------------------------------------------------------------- the runners
@@ -175,22 +186,25 @@ def fused_runner(design: str, sig: Signature, group_name: str, inp: Inputs) -> C
         mid_dtype=dtype_of(sig.mid_dtype), weight_offset=sig.weight_offset,
         residual_in_sharded=sig.residual_in_sharded, residual_out_sharded=sig.residual_out_sharded,
         kernel=design, comm_ctas=sig.comm_ctas, scale=inp.scale, eps_tensor=inp.eps_tensor, norm=sig.norm,
-        norm_bias=inp.norm_bias, batch_invariant=sig.batch_invariant)
+        norm_bias=inp.norm_bias, batch_invariant=sig.batch_invariant,
+        **(QuantSpec.decode(sig.quant).op_args() if sig.quant else {}), quant_scale=inp.quant_scale)
 
     def call():
         out = op(inp.x, **kwargs)
         if sig.split:
             for a, b in inp.gemms:
                 torch.mm(a, b)
-            wait(out[0], out[1], [inp.x])
+            wait(out[0], out[1], [inp.x], out[2])
         return out
 
     return call
 
 
-def _written_chain(x, residual, bias, weight, scale, eps_tensor, norm_bias, *, group_name, world_size,
-                   sequence_parallel, residual_dtype, out_dtype, mid_dtype, weight_offset, norm):
-    """The site as a model writes it (in torch ops, as Dynamo sees a TP layer's end)."""
+def _written_chain(x, residual, bias, weight, scale, eps_tensor, norm_bias, quant_scale, *, group_name, world_size,
+                   sequence_parallel, residual_dtype, out_dtype, mid_dtype, weight_offset, norm, quant):
+    """The site as a model writes it (in torch ops, as Dynamo sees a TP layer's end); with ``quant``
+    (a :class:`~weave_compile.quant.QuantSpec`) the normed rows quantized to fp8 after the norm
+    (the scales third, as the fused op returns them)."""
     c10d = torch.ops._c10d_functional
     if sequence_parallel:
         y = c10d.wait_tensor(c10d.reduce_scatter_tensor(x, "sum", world_size, group_name))
@@ -207,6 +221,9 @@ def _written_chain(x, residual, bias, weight, scale, eps_tensor, norm_bias, *, g
                        norm, norm_bias)
     if sequence_parallel:
         normed = c10d.wait_tensor(c10d.all_gather_into_tensor(normed.contiguous(), world_size, group_name))
+    if quant is not None:
+        q, scales = quantize_rows(normed, quant, quant_scale)
+        return q, res, scales
     return normed, res
 
 
@@ -223,7 +240,8 @@ def written_runner(sig: Signature, group_name: str, compiler: str, mode: str) ->
     fn.__kwdefaults__ = dict(group_name=group_name, world_size=sig.world_size,
                              sequence_parallel=sig.sequence_parallel,
                              residual_dtype=dtype_of(sig.residual_dtype), out_dtype=dtype_of(sig.out_dtype),
-                             mid_dtype=dtype_of(sig.mid_dtype), weight_offset=sig.weight_offset, norm=sig.norm)
+                             mid_dtype=dtype_of(sig.mid_dtype), weight_offset=sig.weight_offset, norm=sig.norm,
+                             quant=QuantSpec.decode(sig.quant) if sig.quant else None)
     patches: dict[str, Any] = {}
     if compiler == "inductor":
         if mode != "default":
@@ -242,7 +260,7 @@ def written_runner(sig: Signature, group_name: str, compiler: str, mode: str) ->
                     torch._dynamo.mark_dynamic(t, 0)
         # A sequence-parallel site as written adds the model's own shard; an all_reduce site the whole.
         residual = inp.residual if sig.sequence_parallel else inp.residual_full
-        args = (inp.x, residual, inp.bias, inp.weight, inp.scale, inp.eps_tensor, inp.norm_bias)
+        args = (inp.x, residual, inp.bias, inp.weight, inp.scale, inp.eps_tensor, inp.norm_bias, inp.quant_scale)
 
         compiled_here = [False]
 
@@ -349,7 +367,7 @@ def check(design: str, sig: Signature, group_name: str, group_rank: int, device:
         inp = make_inputs(sig, T, group_rank, device, seed + T, all_ranks=True)
         run = written(inp) if written is not None else fused_runner(design, sig, group_name, inp)
         try:
-            normed, res = run()
+            normed, res, *scales = run()
         except Exception as e:  # noqa: BLE001 - a design that raises here does not compete
             problems.append(f"T={T}: raised {type(e).__name__}: {e}")
             continue
@@ -363,15 +381,20 @@ def check(design: str, sig: Signature, group_name: str, group_rank: int, device:
         n = rows_of_rank(T, S, group_rank)
         if sig.sequence_parallel or sig.residual_out_sharded:
             ref_r, res = ref_r[group_rank * S:group_rank * S + n], res.reshape(-1, sig.hidden)[:n]
-        why = _compare("normed", normed.reshape(ref_n.shape), ref_n) or _compare("residual", res.reshape(ref_r.shape),
-                                                                                   ref_r)
+        if sig.quant:  # the fp8 rows as the values they stand for, against the oracle's rows quantized
+            quant = QuantSpec.decode(sig.quant)
+            normed = dequantize(normed.reshape(ref_n.shape), *(s.reshape(-1, 1) for s in scales), quant,
+                                inp.quant_scale)
+            ref_n = dequantize(*quantize_ref(ref_n, quant, inp.quant_scale), quant, inp.quant_scale)
+        why = (_compare("normed", normed.reshape(ref_n.shape), ref_n, QUANT_REL_TOL if sig.quant else None)
+               or _compare("residual", res.reshape(ref_r.shape), ref_r))
         if why:
             problems.append(f"T={T}: {why}")
     return problems[0] if problems else None
 
 
-def _compare(what: str, out: torch.Tensor, ref: torch.Tensor) -> Optional[str]:
-    tol = CHECK_REL_TOL.get(ref.dtype, 1e-4)
+def _compare(what: str, out: torch.Tensor, ref: torch.Tensor, tol: Optional[float] = None) -> Optional[str]:
+    tol = tol or CHECK_REL_TOL.get(ref.dtype, 1e-4)
     out64, ref64 = out.detach().double().cpu(), ref.detach().double().cpu()
     if not torch.isfinite(out64).all():
         return f"{what} has non-finite values"

@@ -59,25 +59,29 @@ def fused_site(rw: Rewriter, n: fx.Node) -> SplitTuple:
         raise Barrier("residual of another shape")
     if any(a in rw.env for a in nodes_in([v for k, v in args.items() if k not in ("x", "residual")])):
         raise Barrier("weight/bias/scale is token-split")
-    items: dict[int, list[fx.Node]] = {0: [], 1: []}
+    # normed, residual_out, and an fp8 epilogue's per-row scales (split like the rows; the other
+    # kinds' scales output is empty and has no reader)
+    count = 3 if args.get("quant") == "row" else 2
+    items: dict[int, list[fx.Node]] = {i: [] for i in range(count)}
     waits = []
     for h in (0, 1):
         start = call_named(rw.graph, rw.fake_mode, START_OP, **{**args, "x": xh[h], "residual": rh[h]})
         start.meta[HALF_KEY] = h
         start.meta[SITE_KEY] = n.meta.get(SITE_KEY)
         rw.starts.append(start)
-        items[0].append(rw.mk(operator.getitem, (start, 0), half=h))
-        items[1].append(rw.mk(operator.getitem, (start, 1), half=h))
+        for i in range(count):
+            items[i].append(rw.mk(operator.getitem, (start, i), half=h))
     for h in (0, 1):
-        g0, g1 = items[0][h], items[1][h]
+        results = [items[i][h] for i in range(count)]
         keep = [a for a in (xh[h], rh[h]) if a is not None]
-        wait = rw.graph.call_function(WAIT_OP, (g0, g1, keep))
+        wait = rw.graph.call_function(WAIT_OP, (results[0], results[1], keep, *results[2:]))
         wait.meta["val"] = None
         wait.meta[HALF_KEY] = h
-        rw.wait_of[g0] = rw.wait_of[g1] = wait
+        for g in results:
+            rw.wait_of[g] = wait
         waits.append(wait)
     _pin_order(rw, waits, items[0])
-    return SplitTuple({i: Split(d, tuple(items[i]), unit) for i in (0, 1)})
+    return SplitTuple({i: Split(d, tuple(items[i]), unit) for i in range(count)})
 
 
 def _pin_order(rw: Rewriter, waits: list[fx.Node], results: list[fx.Node]) -> None:
@@ -160,8 +164,14 @@ def _topological(nodes, preds, users, priority) -> list[fx.Node]:
 
 
 def _append_keep(wait: fx.Node, node: fx.Node) -> None:
-    normed, residual_out, keep = wait.args
-    wait.args = (normed, residual_out, [*keep, node])
+    normed, residual_out, keep, *scales = wait.args
+    wait.args = (normed, residual_out, [*keep, node], *scales)
+
+
+def _waits_for(wait: fx.Node, result: fx.Node) -> bool:
+    """Whether ``result`` (a start's getitem) is one of the results ``wait`` orders (not one it
+    only keeps alive)."""
+    return any(a is result for i, a in enumerate(wait.args) if i != 2)
 
 
 def _depends_on(node: fx.Node, target: fx.Node) -> bool:
@@ -184,6 +194,5 @@ def _depends_on(node: fx.Node, target: fx.Node) -> bool:
             continue
         stack.extend((a, True) for a in n.all_input_nodes)
         if read and is_call(n, operator.getitem):
-            stack.extend((u, True) for u in n.users if u.target is WAIT_OP and u.args[0] is n or
-                         u.target is WAIT_OP and u.args[1] is n)
+            stack.extend((u, True) for u in n.users if u.target is WAIT_OP and _waits_for(u, n))
     return False
