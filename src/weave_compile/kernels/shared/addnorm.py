@@ -1,9 +1,11 @@
 """Row add + RMSNorm on local memory with many bytes in flight: the SM phase of ``ce`` and ``nccl``.
 
 What: for ``n_valid`` rows, ``acc = x (+ sum of the reduce-scatter slots) (* scale) (+ bias)
-(+ residual)``, ``res = acc.to(res dtype)`` (stored), ``normed = RMSNorm(res)`` following the
-cast order of the fused op's contract (``ops/allreduce_rmsnorm.py``). Rows ``n_valid ..
-n_res_rows`` of the residual output are written as zeros (a sharded residual's padding rows).
+(+ residual)``, ``res = acc.to(res dtype)`` (stored), ``normed = RMSNorm(res)`` (or LayerNorm,
+with its bias after the weight: the kernel's ``IS_LAYERNORM`` / ``HAS_NORM_BIAS`` variant)
+following the cast order of the fused op's contract (``ops/allreduce_rmsnorm.py``). Rows
+``n_valid .. n_res_rows`` of the residual output are written as zeros (a sharded residual's
+padding rows).
 
 Why a kernel of its own: once copy engines (or NCCL) move the bytes between GPUs, the only SM work
 left is this local streaming pass, and it should need few CTAs so the other token half's GEMMs keep
@@ -73,6 +75,12 @@ def launch_config(hidden: int, block_rows: Optional[int] = None, num_stages: Opt
     a 16K-element tile, 3 stages, 16 warps up to H=4096 and 8 above. Each is the fastest shape
     measured where it runs (docs/performance.md, "Launch shapes"); a pipelined shape that does not
     fit in shared memory is retried with fewer stages (launcher).
+
+    LayerNorm takes the same shapes (measured for RMSNorm only): its second pass is over the row
+    already held in registers, the tile or the one-warp-per-row loop's kept chunks, and compiled
+    for sm_90 at H = 2048..8192 the default shapes do not spill (ptxas, bf16, with and without a
+    bias, scale and mid dtype; 128 registers or fewer at 16 warps for the prefetched tile, 255 or
+    fewer for the one-warp-per-row loop up to H=4096).
     """
     block_h = next_pow2(hidden)
     if ((block_rows, num_stages, num_warps, prefetch) == (None,) * 4
