@@ -540,12 +540,25 @@ def test_only_the_implementations_that_take_a_layernorm_are_handed_one(symm, tab
     assert auto.choose("auto", cpu_ln)[0] == "reference"
 
 
-def test_a_layernorm_site_on_a_gpu_stays_as_written_with_why(symm, tables, ready):
+def test_a_layernorm_site_on_a_gpu_gets_nccl_where_the_floor_takes_it(symm, tables, ready):
+    """nccl's add+norm kernel computes a LayerNorm on GPUs: a LayerNorm site forced to a design that
+    computes RMSNorm only gets the GPU fallback under the floor rule of any site (as written without a
+    floor measurement, or where plain Inductor measured faster), the LayerNorm named in the reason."""
     ready("oneshot")
     ln = site(norm="layernorm", num_tokens=4096, size_hint=4096)
+    assert auto.unavailable(registry.get("nccl"), ln) is None
     kernel, reason = auto.choose("p2p", ln)
     assert kernel == AS_WRITTEN, reason
     assert "LayerNorm site: only reference, nccl compute a LayerNorm" in reason
-    assert "the shared add+norm kernel has no LayerNorm variant yet" in reason  # nccl, the GPU fallback
+    assert "no floor measured at world size 2" in reason, reason
     kernel, reason = auto.choose("auto", ln)
     assert kernel == AS_WRITTEN and "LayerNorm" in reason, reason
+    tables(FLOOR=FLOOR)
+    kernel, reason = auto.choose("p2p", ln)
+    assert kernel == "nccl", reason
+    assert reason.startswith("requested 'p2p' unavailable: LayerNorm site: only reference, nccl") and \
+        "GPU fallback nccl" in reason, reason
+    kernel, reason = auto.choose("p2p", site(norm="layernorm", num_tokens=16, size_hint=16))
+    assert kernel == AS_WRITTEN and "LayerNorm site" in reason, reason  # the floor: plain Inductor faster there
+    kernel, reason = auto.choose("auto", ln)
+    assert kernel == "nccl" and "LayerNorm site" in reason and "GPU fallback nccl" in reason, reason

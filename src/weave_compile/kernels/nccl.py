@@ -19,9 +19,10 @@ the rows); the rest of a row is computed alike for every row (on CPU ranks check
 Functional collectives carry it, so it also runs on gloo (CPU tests; the add+norm then uses its
 torch path) and is capturable in a CUDA graph where NCCL is.
 
-LayerNorm (``takes_layernorm``): the add+norm's torch path computes it; the Triton kernel does
-not yet, so the compile-time check refuses a LayerNorm site on a GPU (it stays as written there,
-with the reason) and takes it on CPU ranks. A direct call on CUDA tensors runs the torch path.
+LayerNorm (``takes_layernorm``): the add+norm kernel's LayerNorm variant computes it on GPUs (the
+centred row's mean square as the variance, the norm bias after the weight; the RMSNorm kernel is
+compiled as before), its torch path on CPU ranks; a LayerNorm site is taken wherever an RMSNorm
+one is.
 """
 
 from __future__ import annotations
@@ -75,9 +76,6 @@ def fused_allreduce_rmsnorm_nccl(rows: Rows, spec: FusedSpec) -> tuple[torch.Ten
 
 
 def _check(site: Site) -> Optional[str]:
-    if site.norm == "layernorm" and site.device.type == "cuda":
-        # Compiled work only on GPUs: the add+norm's LayerNorm is its torch path, an eager chain.
-        return "LayerNorm site on a GPU: the shared add+norm kernel has no LayerNorm variant yet (CPU ranks only)"
     return addnorm.unavailable_reason(site.device, (site.dtype, site.residual_dtype, site.out_dtype), site.hidden)
 
 

@@ -1,9 +1,11 @@
 """Row add + RMSNorm on local memory with many bytes in flight: the SM phase of ``ce`` and ``nccl``.
 
 What: for ``n_valid`` rows, ``acc = x (+ sum of the reduce-scatter slots) (* scale) (+ bias)
-(+ residual)``, ``res = acc.to(res dtype)`` (stored), ``normed = RMSNorm(res)`` following the
-cast order of the fused op's contract (``ops/allreduce_rmsnorm.py``). Rows ``n_valid ..
-n_res_rows`` of the residual output are written as zeros (a sharded residual's padding rows).
+(+ residual)``, ``res = acc.to(res dtype)`` (stored), ``normed = RMSNorm(res)`` (or LayerNorm,
+with its bias after the weight: the kernel's ``IS_LAYERNORM`` / ``HAS_NORM_BIAS`` variant)
+following the cast order of the fused op's contract (``ops/allreduce_rmsnorm.py``). Rows
+``n_valid .. n_res_rows`` of the residual output are written as zeros (a sharded residual's
+padding rows).
 
 Why a kernel of its own: once copy engines (or NCCL) move the bytes between GPUs, the only SM work
 left is this local streaming pass, and it should need few CTAs so the other token half's GEMMs keep
@@ -38,7 +40,7 @@ log = logging.getLogger(__name__)
 ADDNORM_ROWWISE_DEPTH = 8
 
 if HAS_TRITON:
-    from .rownorm import (add_norm, norm_params, norm_tile, rowwise_first_loads, rowwise_group,
+    from .rownorm import (add_norm, load_norm_bias, norm_params, norm_tile, rowwise_first_loads, rowwise_group,
                           store_residual_shard)
 
 @dataclass(frozen=True)
@@ -73,6 +75,12 @@ def launch_config(hidden: int, block_rows: Optional[int] = None, num_stages: Opt
     a 16K-element tile, 3 stages, 16 warps up to H=4096 and 8 above. Each is the fastest shape
     measured where it runs (docs/performance.md, "Launch shapes"); a pipelined shape that does not
     fit in shared memory is retried with fewer stages (launcher).
+
+    LayerNorm takes the same shapes (measured for RMSNorm only): its second pass is over the row
+    already held in registers, the tile or the one-warp-per-row loop's kept chunks, and compiled
+    for sm_90 at H = 2048..8192 the default shapes do not spill (ptxas, bf16, with and without a
+    bias, scale and mid dtype; 128 registers or fewer at 16 warps for the prefetched tile, 255 or
+    fewer for the one-warp-per-row loop up to H=4096).
     """
     block_h = next_pow2(hidden)
     if ((block_rows, num_stages, num_warps, prefetch) == (None,) * 4
@@ -132,7 +140,8 @@ if HAS_TRITON:
                    NUM_SLOTS: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                    RES_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, MID_DTYPE: tl.constexpr,
                    HAS_MID: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+                   HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, nb=None,
+                   IS_LAYERNORM: tl.constexpr = False, HAS_NORM_BIAS: tl.constexpr = False):
         rows = (blk * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
         m = (rows < n_valid)[:, None] & cmask[None, :]
         acc = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=m, other=0.0).to(tl.float32)
@@ -143,7 +152,8 @@ if HAS_TRITON:
             acc = acc * s
         # The one add+norm body of every kernel (rownorm.py); our rows are shard-local (j == rows).
         res, normed = add_norm(acc, rows, rows, m, cols, RES_IN, stride_res_in_row, b, w, eps, HIDDEN, RES_DTYPE,
-                               OUT_DTYPE, MID_DTYPE, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, HAS_MID, True)
+                               OUT_DTYPE, MID_DTYPE, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, HAS_MID, True, nb,
+                               IS_LAYERNORM, HAS_NORM_BIAS)
         # rows past n_valid loaded every input as 0: zero already unless a bias or scale moves them
         store_residual_shard(RES_OUT, rows, res, m, cmask, cols, n_res_rows, stride_res_out_row,
                              HAS_BIAS or HAS_SCALE)
@@ -187,7 +197,8 @@ if HAS_TRITON:
                       stride_res_out_row, eps, w, b, s, cols, cmask, BLOCK_ROWS: tl.constexpr,
                       HIDDEN: tl.constexpr, RES_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
                       MID_DTYPE: tl.constexpr, HAS_MID: tl.constexpr, HAS_SCALE: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                      nb=None, IS_LAYERNORM: tl.constexpr = False, HAS_NORM_BIAS: tl.constexpr = False):
         """The math and stores of a row block whose inputs :func:`_block_loads` loaded."""
         rows = (blk * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
         m = (rows < n_valid)[:, None] & cmask[None, :]
@@ -195,7 +206,7 @@ if HAS_TRITON:
         if HAS_SCALE:
             acc = acc * s
         res, normed = norm_tile(acc, res_in, b, w, eps, HIDDEN, RES_DTYPE, OUT_DTYPE, MID_DTYPE, HAS_BIAS,
-                                HAS_RESIDUAL, HAS_WEIGHT, HAS_MID)
+                                HAS_RESIDUAL, HAS_WEIGHT, HAS_MID, nb, IS_LAYERNORM, HAS_NORM_BIAS)
         # rows past n_valid loaded every input as 0: zero already unless a bias or scale moves them
         store_residual_shard(RES_OUT, rows, res, m, cmask, cols, n_res_rows, stride_res_out_row,
                              HAS_BIAS or HAS_SCALE)
@@ -215,6 +226,7 @@ if HAS_TRITON:
         HAS_WEIGHT: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr = False,
         SLOTS_P2: tl.constexpr = 1, CHUNK: tl.constexpr = 0, DEPTH: tl.constexpr = 1,
         HAS_ABORT: tl.constexpr = False, EPS_PTR: tl.constexpr = False,
+        NORM_BIAS=None, IS_LAYERNORM: tl.constexpr = False, HAS_NORM_BIAS: tl.constexpr = False,
     ):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
@@ -223,8 +235,11 @@ if HAS_TRITON:
         if EPS_PTR:  # eps a 0-d device tensor (a graph input under dynamic shapes), read once per CTA
             eps = tl.load(eps).to(tl.float32)
         # Loop invariants, loaded once per CTA (the one-warp-per-row loop re-reads them per chunk).
+        nb = None  # NORM_BIAS: None (a constexpr, no kernel argument) unless HAS_NORM_BIAS
         if CHUNK == 0:
             b, w = norm_params(BIAS, WEIGHT, cols, cmask, weight_offset, HAS_BIAS, HAS_WEIGHT)
+            if HAS_NORM_BIAS:
+                nb = load_norm_bias(NORM_BIAS, cols, cmask)
         s = 1.0
         if HAS_SCALE:
             s = tl.load(SCALE).to(tl.float32)
@@ -258,7 +273,7 @@ if HAS_TRITON:
                     RES_OUT, m, NORMED + (rows * stride_normed_row)[:, None], NORMED, m, BIAS,
                     WEIGHT, s, eps, weight_offset, c, BLOCK_ROWS, HIDDEN, CHUNK, DEPTH, RES_DTYPE,
                     OUT_DTYPE, MID_DTYPE, HAS_SCALE or HAS_ABORT, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, HAS_MID,
-                    HAS_BIAS or HAS_SCALE or HAS_ABORT, False, False)
+                    HAS_BIAS or HAS_SCALE or HAS_ABORT, False, False, NORM_BIAS, IS_LAYERNORM, HAS_NORM_BIAS)
                 blk += nprog
         elif PREFETCH:
             # Registers double-buffered: block blk + nprog's loads are issued before block blk's
@@ -277,7 +292,7 @@ if HAS_TRITON:
                 _block_finish(cx, crecv, cres, NORMED, RES_OUT, blk, n_valid, n_res_rows, stride_normed_row,
                               stride_res_out_row, eps, w, b, s, cols, cmask, BLOCK_ROWS, HIDDEN, RES_DTYPE,
                               OUT_DTYPE, MID_DTYPE, HAS_MID, HAS_SCALE or HAS_ABORT, HAS_BIAS, HAS_RESIDUAL,
-                              HAS_WEIGHT)
+                              HAS_WEIGHT, nb, IS_LAYERNORM, HAS_NORM_BIAS)
                 blk += nprog
         elif INTERPRET:
             # Triton 3.6's interpreter cannot take runtime bounds in tl.range (numpy >= 2): same body.
@@ -286,7 +301,8 @@ if HAS_TRITON:
                 _row_block(X, RECV, RES_IN, NORMED, RES_OUT, blk, n_valid, n_res_rows, stride_x_row,
                            stride_recv_slot, stride_res_in_row, stride_normed_row, stride_res_out_row, eps, w, b,
                            s, cols, cmask, NUM_SLOTS, HIDDEN, BLOCK_ROWS, RES_DTYPE, OUT_DTYPE, MID_DTYPE,
-                           HAS_MID, HAS_SCALE or HAS_ABORT, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT)
+                           HAS_MID, HAS_SCALE or HAS_ABORT, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, nb, IS_LAYERNORM,
+                           HAS_NORM_BIAS)
                 blk += nprog
         else:
             # Pipelined: the loads of the next row blocks are issued before this block's reduction.
@@ -294,7 +310,8 @@ if HAS_TRITON:
                 _row_block(X, RECV, RES_IN, NORMED, RES_OUT, blk, n_valid, n_res_rows, stride_x_row,
                            stride_recv_slot, stride_res_in_row, stride_normed_row, stride_res_out_row, eps, w, b,
                            s, cols, cmask, NUM_SLOTS, HIDDEN, BLOCK_ROWS, RES_DTYPE, OUT_DTYPE, MID_DTYPE,
-                           HAS_MID, HAS_SCALE or HAS_ABORT, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT)
+                           HAS_MID, HAS_SCALE or HAS_ABORT, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, nb, IS_LAYERNORM,
+                           HAS_NORM_BIAS)
 
 else:  # pragma: no cover
     _add_rmsnorm_rows_kernel = None
@@ -335,17 +352,18 @@ def add_rmsnorm_rows(
     ``abort`` an int32 word or None: where it is not 0 every output is NaN (the ``ce`` watchdog's
     poison). Rows of ``normed`` past ``n_valid`` are not touched. ``preload``: compile and load the
     kernel this call would launch (its module and function handles), launch nothing, and return
-    it (see :mod:`weave_compile.kernels.ce.copy_engine`, "Deadlock freedom"). ``norm="layernorm"``
-    and ``norm_bias`` (added after the weight) run the torch path on every device: the Triton
-    kernel computes RMSNorm only (no implementation hands a CUDA LayerNorm site here at compile
-    time: ``nccl``'s check refuses one).
+    it (see :mod:`weave_compile.kernels.ce.copy_engine`, "Deadlock freedom"). ``norm``:
+    ``"rmsnorm"`` or ``"layernorm"`` (the centred row's mean square as the variance); ``norm_bias``
+    [H] is added after the weight. Both run in the Triton kernel (its ``IS_LAYERNORM`` /
+    ``HAS_NORM_BIAS`` variant, every loop kind) as RMSNorm does.
     """
+    if norm not in ("rmsnorm", "layernorm"):
+        raise ValueError(f"add_rmsnorm_rows: norm must be 'rmsnorm' or 'layernorm', got {norm!r}")
     hidden = x.shape[-1]
     n_res_rows = res_out.shape[0]
     if n_res_rows == 0:
         return None
-    layernorm = norm != "rmsnorm" or norm_bias is not None
-    if force_torch or layernorm or not use_triton(x.device):
+    if force_torch or not use_triton(x.device):
         if preload:  # nothing to load: the torch path has no kernel of ours
             return None
         _add_rmsnorm_rows_torch(x, recv, residual, bias, weight, scale, normed, res_out, n_valid=n_valid,
@@ -361,13 +379,19 @@ def add_rmsnorm_rows(
     for name, t in (("x", x), ("residual", residual), ("normed", normed), ("res_out", res_out)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"add_rmsnorm_rows: {name} needs unit column stride")
+    if norm_bias is not None and (norm_bias.numel() != hidden or not norm_bias.is_contiguous()):
+        raise ValueError(f"add_rmsnorm_rows: norm_bias must be a contiguous row of H={hidden} elements")
     key = (hidden, slots, cfg, x.dtype, res_out.dtype, normed.dtype)
+    # The LayerNorm variant: keywords and a shape memo of its own; RMSNorm's launch as it was.
+    ln = {} if norm == "rmsnorm" and norm_bias is None else dict(norm=norm, norm_bias=norm_bias)
+    if ln:
+        key = key + (norm, norm_bias is not None)
     cfg = _SHRUNK.get(key, cfg)
     tensors = (x, recv, residual, bias, weight, scale, abort, normed, res_out)
     while True:
         try:
             return _launch(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, num_ctas, cfg, slots,
-                           preload=preload)
+                           preload=preload, **ln)
         except triton.runtime.errors.OutOfResources as e:
             if cfg.num_stages <= 1 or cfg.prefetch:
                 raise
@@ -379,9 +403,11 @@ def add_rmsnorm_rows(
 _SHRUNK: dict = {}  # launch shapes that did not fit -> the shape that did
 
 
-def kernel_args(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, cfg, slots) -> tuple[tuple, dict]:
+def kernel_args(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, cfg, slots, *, norm="rmsnorm",
+                norm_bias=None) -> tuple[tuple, dict]:
     """The add+norm kernel's ``(args, constexpr and launch keywords)`` for ``tensors`` = ``(x, recv,
-    residual, bias, weight, scale, abort, normed, res_out)`` (absent ones None)."""
+    residual, bias, weight, scale, abort, normed, res_out)`` (absent ones None). RMSNorm without a
+    norm bias passes none of the LayerNorm keywords: its kernel and cache key are as they were."""
     x, recv, residual, bias, weight, scale, abort, normed, res_out = tensors
     hidden = x.shape[-1]
     dummy = x
@@ -400,11 +426,17 @@ def kernel_args(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, cfg
         PREFETCH=bool(cfg.prefetch), SLOTS_P2=next_pow2(max(1, slots)), CHUNK=int(cfg.chunk),
         DEPTH=int(cfg.depth), HAS_ABORT=abort is not None, EPS_PTR=isinstance(eps, torch.Tensor),
         num_warps=cfg.num_warps, num_stages=1)
+    if norm != "rmsnorm":
+        kwargs["IS_LAYERNORM"] = True
+    if norm_bias is not None:
+        kwargs.update(NORM_BIAS=norm_bias, HAS_NORM_BIAS=True)
     return args, kwargs
 
 
-def _launch(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, num_ctas, cfg, slots, preload=False):
-    args, kwargs = kernel_args(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, cfg, slots)
+def _launch(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, num_ctas, cfg, slots, preload=False,
+            norm="rmsnorm", norm_bias=None):
+    args, kwargs = kernel_args(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, cfg, slots, norm=norm,
+                               norm_bias=norm_bias)
     grid = max(1, min(int(num_ctas), triton.cdiv(n_res_rows, cfg.block_rows)))
     if not preload:
         _add_rmsnorm_rows_kernel[(grid,)](*args, **kwargs)

@@ -12,6 +12,14 @@ kernel's own.  :func:`rowwise_group` is the same math over one warp per row in c
 (the push and copy-engine kernels at 2 ranks, 2048 <= H <= 4096): the same cast order, the
 row's sum of squares added up in another order (so the normed rows can differ by an ulp, the
 residual cannot).
+
+LayerNorm (``IS_LAYERNORM``, the contract's ``norm="layernorm"``) subtracts the row's mean from
+the fp32 row after the residual's rounding and takes the variance as the mean square of the
+centred row: two passes over the row held in registers (the tile, or the kept chunks of
+:func:`rowwise_group`), never E[x^2] - mean^2, which cancels where the mean is large against the
+spread.  ``HAS_NORM_BIAS`` adds the LayerNorm's bias after the weight.  Both are constexpr
+flags that default off, so the RMSNorm bodies compile as they did, and the kernels that do not
+pass them (oneshot, the push and pull kernels) are unchanged.
 """
 
 from __future__ import annotations
@@ -55,6 +63,22 @@ if HAS_TRITON:
         return bias, w
 
     @triton.jit
+    def load_norm_bias(NORM_BIAS, cols, col_ok):
+        """The fp32 LayerNorm bias row (added after the weight; loaded only with ``HAS_NORM_BIAS``)."""
+        return tl.load(NORM_BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def centre_rows(r, HIDDEN: tl.constexpr):
+        """``r`` [R, BLOCK_H] minus each row's mean over its first ``HIDDEN`` columns; the
+        padding columns (0 in ``r``: every input loads 0 there) stay 0, so a sum of squares of
+        the result is the centred row's alone."""
+        BLOCK_H: tl.constexpr = r.shape[1]
+        c = r - (tl.sum(r, axis=1) / HIDDEN)[:, None]
+        if BLOCK_H != HIDDEN:
+            c = tl.where((tl.arange(0, BLOCK_H) < HIDDEN)[None, :], c, 0.0)
+        return c
+
+    @triton.jit
     def load_residual(RESIDUAL, j, rows, mask, cols, stride_res_row, RESIDUAL_IN_SHARDED: tl.constexpr):
         """The residual rows of a tile, as stored (a sharded residual is indexed by ``j``)."""
         if RESIDUAL_IN_SHARDED:
@@ -66,21 +90,27 @@ if HAS_TRITON:
     @triton.jit
     def norm_tile(acc, resid, bias, w, eps, HIDDEN: tl.constexpr, RES_DTYPE: tl.constexpr,
                   OUT_DTYPE: tl.constexpr, MID_DTYPE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_MID: tl.constexpr):
+                  HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_MID: tl.constexpr,
+                  nb=None, IS_LAYERNORM: tl.constexpr = False, HAS_NORM_BIAS: tl.constexpr = False):
         """``(residual_out, normed)`` of the reduced fp32 tile ``acc`` and the residual tile
-        ``resid`` already loaded (ignored without ``HAS_RESIDUAL``); see module doc."""
+        ``resid`` already loaded (ignored without ``HAS_RESIDUAL``); ``nb``: the LayerNorm bias
+        row (:func:`load_norm_bias`); see module doc."""
         if HAS_BIAS:
             acc = acc + bias[None, :]
         if HAS_RESIDUAL:
             acc = acc + resid.to(tl.float32)
         res = acc.to(RES_DTYPE)
         r = res.to(tl.float32)
+        if IS_LAYERNORM:
+            r = centre_rows(r, HIDDEN)
         var = tl.sum(r * r, axis=1) / HIDDEN
         y = r * tl.rsqrt(var + eps)[:, None]
         if HAS_MID:
             y = y.to(MID_DTYPE).to(tl.float32)
         if HAS_WEIGHT:
             y = y * w[None, :]
+        if HAS_NORM_BIAS:
+            y = y + nb[None, :]
         return res, y.to(OUT_DTYPE)
 
     @triton.jit
@@ -88,7 +118,8 @@ if HAS_TRITON:
                  HIDDEN: tl.constexpr, RES_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
                  MID_DTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                  HAS_WEIGHT: tl.constexpr, HAS_MID: tl.constexpr,
-                 RESIDUAL_IN_SHARDED: tl.constexpr):
+                 RESIDUAL_IN_SHARDED: tl.constexpr, nb=None, IS_LAYERNORM: tl.constexpr = False,
+                 HAS_NORM_BIAS: tl.constexpr = False):
         """``(residual_out, normed)`` of the reduced fp32 tile ``acc``, loading the residual.
 
         ``j``/``rows``: shard-local and global row indices (a sharded residual is indexed
@@ -97,7 +128,7 @@ if HAS_TRITON:
         if HAS_RESIDUAL:
             resid = load_residual(RESIDUAL, j, rows, mask, cols, stride_res_row, RESIDUAL_IN_SHARDED)
         return norm_tile(acc, resid, bias, w, eps, HIDDEN, RES_DTYPE, OUT_DTYPE, MID_DTYPE, HAS_BIAS,
-                         HAS_RESIDUAL, HAS_WEIGHT, HAS_MID)
+                         HAS_RESIDUAL, HAS_WEIGHT, HAS_MID, nb, IS_LAYERNORM, HAS_NORM_BIAS)
 
     @triton.jit
     def store_residual_shard(RESIDUAL_OUT, j, res, mask, col_ok, cols, rows_per_rank,
@@ -183,7 +214,8 @@ if HAS_TRITON:
                       HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                       HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                       HAS_MID: tl.constexpr, ZERO_PAST_T: tl.constexpr,
-                      RES_PEERS: tl.constexpr, OUT_PEERS: tl.constexpr):
+                      RES_PEERS: tl.constexpr, OUT_PEERS: tl.constexpr, NORM_BIAS=None,
+                      IS_LAYERNORM: tl.constexpr = False, HAS_NORM_BIAS: tl.constexpr = False):
         """One group: ``acc = x + sum(partials) (* scale) (+ bias) (+ residual)``, rounded to
         the residual dtype and stored (``RO``/``ro_m``; also to the peers, ``RP``/``rp_m``, with
         ``RES_PEERS``), then RMS-normalised and stored (``NO`` where ``m``; the peers'
@@ -192,7 +224,10 @@ if HAS_TRITON:
         (``NXR``.. ``npm``), loaded before this group's normed stores: a load after a store in
         program order is not hoisted above it (the compiler cannot prove they do not alias).
         ``ZERO_PAST_T``: residual rows outside ``m`` are written as 0 (else they are 0 because
-        every input of theirs loaded as 0)."""
+        every input of theirs loaded as 0).  ``IS_LAYERNORM``: pass 1 adds up the row's sum
+        instead of its squares; the mean known, a second pass over the kept chunks adds up the
+        centred squares, and pass 2 scales the centred chunks (then adds ``NORM_BIAS`` with
+        ``HAS_NORM_BIAS``)."""
         NCH: tl.constexpr = (HIDDEN + CH - 1) // CH
         FULL: tl.constexpr = HIDDEN % CH == 0
         buf = pre
@@ -216,22 +251,43 @@ if HAS_TRITON:
                 res = tl.where(m, res, tl.zeros_like(res))
             _store_chunk(RO, ro_m, RP, rp_m, res, off, cm, FULL, RES_PEERS)
             rf = res.to(tl.float32)
-            sq += rf * rf
+            if IS_LAYERNORM:
+                sq += rf  # the row's sum first: its mean centres the squares below
+            else:
+                sq += rf * rf
             kept = kept + (res,)
+        if IS_LAYERNORM:
+            mean = (tl.sum(sq, axis=1) / HIDDEN)[:, None]
+            sq = tl.zeros((ROWS, CH), dtype=tl.float32)
+            for k in tl.static_range(NCH):
+                d = kept[k].to(tl.float32) - mean
+                if (k + 1) * CH > HIDDEN:  # the last chunk's columns past H hold -mean: not the row's
+                    d = tl.where(((k * CH + c) < HIDDEN)[None, :], d, 0.0)
+                sq += d * d
         rstd = tl.rsqrt(tl.sum(sq, axis=1) / HIDDEN + eps)[:, None]
         nxt = rowwise_first_loads(NXR, NPR, NRR, nm, npm, c, HIDDEN, CH, DEPTH, HAS_RESIDUAL)
         if HAS_WEIGHT:  # each weight chunk loaded one chunk before its use (an L1 hit, not waited on)
             wts = (_broadcast_row(WEIGHT, c, (c < HIDDEN)[None, :], ROWS, CH, FULL),)
+        if HAS_NORM_BIAS:  # likewise
+            nbs = (_broadcast_row(NORM_BIAS, c, (c < HIDDEN)[None, :], ROWS, CH, FULL),)
         for k in tl.static_range(NCH):
             off = k * CH + c
             cm = (off < HIDDEN)[None, :]
-            y = kept[k].to(tl.float32) * rstd
+            if IS_LAYERNORM:
+                y = (kept[k].to(tl.float32) - mean) * rstd
+            else:
+                y = kept[k].to(tl.float32) * rstd
             if HAS_MID:
                 y = y.to(MID_DTYPE).to(tl.float32)
             if HAS_WEIGHT:
                 if k + 1 < NCH:
                     wts = wts + (_broadcast_row(WEIGHT, off + CH, (off + CH < HIDDEN)[None, :], ROWS, CH, FULL),)
                 y = y * (wts[k] + weight_offset)
+            if HAS_NORM_BIAS:
+                if k + 1 < NCH:
+                    nbs = nbs + (_broadcast_row(NORM_BIAS, off + CH, (off + CH < HIDDEN)[None, :], ROWS, CH,
+                                                FULL),)
+                y = y + nbs[k]
             y = y.to(OUT_DTYPE)
             _store_chunk(NO, m, NP, np_m, y, off, cm, FULL, OUT_PEERS)
         return nxt
