@@ -88,6 +88,11 @@ class ArchSpec:
     tp_plan: Optional[dict] = None
     #: the config has no ``head_dim`` (DeepSeek's MLA sets its own head dims)
     no_head_dim: bool = False
+    #: the model normalizes with a LayerNorm (mean subtracted), not an RMSNorm
+    layernorm: bool = False
+    #: parallel block: attention and MLP read the same normed input and each all-reduces its output;
+    #: the merge pass makes the two one (one site per layer)
+    parallel_block: bool = False
     note: str = ""
 
 
@@ -153,6 +158,39 @@ ARCHS: dict[str, ArchSpec] = {
                                  qk_nope_head_dim=8, v_head_dim=16),
                  note="1 per layer: the dense MLP's down_proj, or (MoE layers) the routed experts' and the "
                       "shared expert's all_reduces merged into one"),
+        # LayerNorm families (transformers 5.25's plans; issue 47). Parallel blocks (attention and
+        # MLP read one normed input, their reduced outputs summed with the residual): Cohere, Phi,
+        # GPT-NeoX, GPT-J, CodeGen; the merge pass makes each layer's two all_reduces one.
+        ArchSpec("cohere", "CohereConfig", "CohereForCausalLM", layernorm=True, parallel_block=True,
+                 note="1 per layer: parallel block, o_proj's and down_proj's all_reduces merged -> +res -> "
+                      "next layer's hand-written LayerNorm (no bias)"),
+        ArchSpec("cohere2", "Cohere2Config", "Cohere2ForCausalLM", layernorm=True, parallel_block=True,
+                 sliding_cache=True, tiny_extra=dict(sliding_window=8), note="as cohere, sliding-window layers"),
+        ArchSpec("starcoder2", "Starcoder2Config", "Starcoder2ForCausalLM", layernorm=True,
+                 extra=dict(sliding_window=None),
+                 note="2 per layer: o_proj and c_proj -> +bias -> +res -> nn.LayerNorm (+bias)"),
+        ArchSpec("phi", "PhiConfig", "PhiForCausalLM", layernorm=True, parallel_block=True,
+                 tiny_extra=dict(partial_rotary_factor=0.5),
+                 note="1 per layer: parallel block, dense's and fc2's all_reduces (+biases) merged -> +res -> "
+                      "next input_layernorm"),
+        ArchSpec("phimoe", "PhimoeConfig", "PhimoeForCausalLM", layernorm=True, extra=dict(sliding_window=None),
+                 tiny_extra=dict(num_local_experts=4, num_experts_per_tok=2),
+                 note="2 per layer: o_proj, and the experts' all_reduce (EP plan) -> +res -> nn.LayerNorm"),
+        ArchSpec("gpt_neox", "GPTNeoXConfig", "GPTNeoXForCausalLM", layernorm=True, parallel_block=True,
+                 tiny_extra=dict(rotary_pct=0.5),
+                 note="1 per layer: parallel block merged -> +res -> the next layer's two LayerNorms (one fused)"),
+        ArchSpec("gptj", "GPTJConfig", "GPTJForCausalLM", layernorm=True, parallel_block=True, no_head_dim=True,
+                 tiny_extra=dict(rotary_dim=8), note="1 per layer: parallel block merged -> +res -> next ln_1"),
+        ArchSpec("codegen", "CodeGenConfig", "CodeGenForCausalLM", layernorm=True, parallel_block=True,
+                 no_head_dim=True, tiny_extra=dict(rotary_dim=8),
+                 note="1 per layer: parallel block merged -> +res -> next ln_1"),
+        ArchSpec("jais2", "Jais2Config", "Jais2ForCausalLM", layernorm=True,
+                 note="2 per layer: o_proj and down_proj -> +res -> nn.LayerNorm (+bias)"),
+        ArchSpec("nemotron", "NemotronConfig", "NemotronForCausalLM", layernorm=True,
+                 note="2 per layer: o_proj and down_proj -> +res -> LayerNorm1P (weight + 1, formed in the "
+                      "weight's dtype)"),
+        ArchSpec("olmo", "OlmoConfig", "OlmoForCausalLM", layernorm=True,
+                 note="2 per layer: o_proj and down_proj -> +res -> LayerNorm without affine parameters"),
     ]
 }
 
@@ -180,10 +218,12 @@ def _ep_size(model) -> int:
 def vocab_parallel_embedding(model_or_config) -> bool:
     """The plan shards the embedding by vocab: one all_reduce after it.
 
-    Transformers 5.17 does it for tied models (their config's plan names ``embed_tokens``); later
-    releases (checked: 5.24) add ``embed_tokens: embedding_rowwise`` to every model's plan.
+    Transformers 5.17 does it for tied models (their config's plan names ``embed_tokens``) and in
+    a few plans of its own (Cohere, StarCoder2); later releases (checked: 5.24) add
+    ``embed_tokens: embedding_rowwise`` to every model's plan (GPT-NeoX's ``embed_in``, GPT-J's and
+    CodeGen's ``wte`` on 5.25).
     """
-    return resolved_plan(model_or_config).get("embed_tokens") == "embedding_rowwise"
+    return "embedding_rowwise" in resolved_plan(model_or_config).values()
 
 
 #: plan styles whose module output is reduced with one all_reduce (row-parallel Linear, the
@@ -206,9 +246,28 @@ def reduced_modules(model) -> list[str]:
     return out
 
 
+def parallel_block(model_or_config) -> bool:
+    """Attention and MLP read the same normed input and their outputs meet in one add with the
+    residual (``ArchSpec.parallel_block``; GPT-NeoX only with ``use_parallel_residual``)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    spec = next((a for a in ARCHS.values() if a.config_cls == type(config).__name__), None)
+    return spec is not None and spec.parallel_block and getattr(config, "use_parallel_residual", True)
+
+
 def merged_pairs(model) -> int:
-    """Layers whose routed experts and shared expert(s) are both reduced: the merge pass makes them one."""
+    """Reductions the merge pass makes one with another: per layer, the shared expert(s)' with the
+    routed experts' (DeepSeek-V3), or, in a parallel block, every reduced module's but the first
+    (attention's and MLP's row-parallel outputs, summed with the residual)."""
+    import re
+
     names = reduced_modules(model)
+    if parallel_block(model):
+        per_layer: dict[str, int] = {}
+        for n in names:
+            layer = re.match(r"(.*\.\d+)\.", n)
+            if layer is not None:
+                per_layer[layer[1]] = per_layer.get(layer[1], 0) + 1
+        return sum(k - 1 for k in per_layer.values())
     layers = {n.rsplit(".mlp.", 1)[0] for n in names if n.endswith(".mlp.experts")}
     return sum(any(n.startswith(layer + ".mlp.shared_expert") for n in names) for layer in layers)
 
@@ -224,12 +283,14 @@ def expected_fused_sites(model) -> int:
     Every reduced module's output reaches an RMSNorm through (linear ops: views, a float scale,
     bias and residual adds): the Llama family's o_proj and down_proj -> +residual -> the next norm,
     Gemma's sandwich (all_reduce -> norm directly), the experts' weighted sum, a vocab-parallel
-    embedding -> layer 0's input norm. A layer whose routed experts and shared expert are reduced
-    separately (DeepSeek-V3) has one site after the merge pass. Which modules are reduced depends
-    on the transformers release: 5.17 shards the embedding of tied models only and no GraniteMoE
-    (the fallback plan in ``ARCHS`` does) nor Qwen2-MoE experts; 5.24 shards every embedding and
-    those experts, and GraniteMoE's experts but not its attention; 5.25 shards experts through
-    the expert-parallel plan only (with ``ep_size`` > 1) and GraniteMoE's attention too.
+    embedding -> layer 0's input norm; a LayerNorm in place of the RMSNorm the same. A layer whose
+    routed experts and shared expert are reduced separately (DeepSeek-V3), or a parallel block's
+    attention and MLP (Cohere, Phi, GPT-NeoX, GPT-J, CodeGen), has one site after the merge pass.
+    Which modules are reduced depends on the transformers release: 5.17 shards the embedding of
+    tied models only and no GraniteMoE (the fallback plan in ``ARCHS`` does) nor Qwen2-MoE experts;
+    5.24 shards every embedding and those experts, and GraniteMoE's experts but not its attention;
+    5.25 shards experts through the expert-parallel plan only (with ``ep_size`` > 1) and
+    GraniteMoE's attention too.
     """
     return expected_all_reduces(model) - merged_pairs(model)
 

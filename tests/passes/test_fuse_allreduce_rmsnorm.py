@@ -463,3 +463,61 @@ def test_layernorm_sites_under_inductor(seed):
     forms = [("layernorm", True, torch.bfloat16), ("cohere", False, torch.float32)]
     results = assert_ranks_ok(run_ranks(_layernorm_sites, WORLD, args=(seed, "inductor", forms), timeout=600))
     _assert_layernorm_sites(results, forms)
+
+
+class LayerNorm1PBlock(nn.Module):
+    """Nemotron's LayerNorm1P after an all_reduce and the residual, in the parameters' dtype:
+    ``F.layer_norm(h, (H,), self.weight + 1, self.bias)``, the ``+ 1`` formed in bf16 and rounded
+    there before the norm reads it. The reduced and residual values are small integers, so every
+    sum before the norm is exact and the only difference the op may make is the norm itself."""
+
+    def __init__(self, h, dtype):
+        super().__init__()
+        # |w| ~ 0.3: bf16 keeps 8 bits, so 1 + w needs more and rounds (checked on the ranks)
+        self.weight = nn.Parameter((0.3 * torch.randn(h)).to(dtype))
+        self.bias = nn.Parameter((0.1 * torch.randn(h)).to(dtype))
+
+    def forward(self, x, residual):
+        import torch.distributed._functional_collectives as funcol
+
+        y = funcol.all_reduce(x, "sum", dist.group.WORLD)
+        return F.layer_norm(residual + y, x.shape[-1:], self.weight + 1.0, self.bias, 1e-5)
+
+
+def _layernorm1p(rank, world_size, seed):
+    import weave_compile
+
+    torch.manual_seed(seed)
+    block = LayerNorm1PBlock(64, torch.bfloat16)
+    residual = torch.randint(-8, 9, (15, 64)).to(torch.bfloat16)
+    torch.manual_seed(seed + 1 + rank)  # each rank's partial sum its own
+    x = torch.randint(-8, 9, (15, 64)).to(torch.bfloat16)
+    weave_compile.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="tokenweave", options={"compiler": "aot_eager", "kernel": "reference"})
+    with torch.no_grad():
+        eager = block(x.clone(), residual)
+        out = compiled(x.clone(), residual)
+        summed = x.clone()
+        dist.all_reduce(summed)
+        w, b = block.weight, block.bias
+        # What the op would give with ``weight.float() + 1`` (the offset in fp32): the other reading.
+        fp32_offset = F.layer_norm((residual + summed).float(), (64,), w.float() + 1.0, b.float(), 1e-5)
+    rep = weave_compile.explain()
+    return {"matched": rep.matched_count, "text": str(rep), "reason": rep.sites[0].reason,
+            "rounds": int(((w + 1.0).float() != w.float() + 1.0).sum()),
+            "differ": float((out != eager).float().mean()),
+            "differ_fp32_offset": float((fp32_offset.to(torch.bfloat16) != eager).float().mean())}
+
+
+def test_layernorm1p_weight_plus_one_rounded_in_bf16_as_the_model_does(seed):
+    """Nemotron forms ``weight + 1`` in bf16: the op takes that rounded tensor as its weight (not
+    ``weight.float() + 1`` through ``weight_offset``), so the fused result is eager's up to the
+    norm's own rounding, where the fp32 ``1 + w`` differs from eager on many elements."""
+    results = assert_ranks_ok(run_ranks(_layernorm1p, WORLD, args=(seed,), timeout=300))
+    for r in results:
+        assert r["matched"] == 1, r["text"]
+        assert r["rounds"] > 32, "weights where bf16(1 + w) == 1 + w prove nothing"
+        assert r["differ_fp32_offset"] > 0.1, r  # what adding 1 in fp32 would give
+        assert r["differ"] < 0.02, r
+        assert r["reason"] == "all_reduce +residual -> layernorm *w +b in fp32", r["text"]  # (1 + w) is its weight

@@ -82,6 +82,28 @@ def test_an_rmsnorm_is_still_an_rmsnorm():
     assert match_norm(_inputs(g)[0]).kind == "rmsnorm"
 
 
+def nemotron(h, w, b):
+    """LayerNorm1P: ``weight + 1`` in the weight's own dtype, then F.layer_norm."""
+    return F.layer_norm(h, (H,), w + 1.0, b, 1e-5)
+
+
+def test_weight_plus_one_in_bf16_is_the_weight_and_in_fp32_an_offset():
+    """Nemotron's ``w + 1`` in bf16 is rounded before the norm reads it: the op's weight is that
+    add (offset 0), not ``w`` with ``weight_offset`` 1, which the op adds in fp32. In fp32 the two
+    are the same number, and the offset form is kept."""
+    g = _graph(nemotron, torch.bfloat16)
+    h, w, b = _inputs(g)
+    m = match_layernorm(h)
+    plus_one = next(n for n in g.nodes if n.target == torch.ops.aten.add.Tensor and n.args[0] is w)
+    assert m is not None and m.weight is plus_one and m.weight_offset == 0.0 and m.bias is b
+    assert m.describe() == "layernorm *w +b in fp32"
+    g = _graph(nemotron, torch.float32)
+    h, w, b = _inputs(g)
+    m = match_layernorm(h)
+    assert m is not None and m.weight is w and m.weight_offset == 1.0 and m.bias is b
+    assert m.describe() == "layernorm (1+w) +b in fp32"
+
+
 def test_the_bias_after_a_rounded_product_stays_outside():
     """``(w * y.to(bf16)) + b`` rounds the product before the bias: the op adds its bias in fp32 and
     rounds once, so the norm ends at the product and the add reads the op's output."""

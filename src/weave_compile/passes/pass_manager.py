@@ -1,7 +1,8 @@
 """Runs the tokenweave passes on Inductor's post-grad graph, in this fixed order:
 
 0. ``merge`` (:mod:`.merge_all_reduces`): ``all_reduce(a) + all_reduce(b)`` over one group becomes
-   one ``all_reduce(a + b)`` (MoE routed + shared experts), so that ``fuse`` sees one.
+   one ``all_reduce(a + b)`` (MoE routed + shared experts), so that ``fuse`` sees one. Before it,
+   the identity clones after a reduction (eval-mode dropout) go (:mod:`.identity_clones`).
 1. ``fuse``  (:mod:`.fuse_allreduce_rmsnorm`): all_reduce -> (+bias) -> (+residual) -> RMSNorm,
    and reduce_scatter -> (+bias) -> (+residual shard) -> RMSNorm -> all_gather (sequence
    parallel), becomes one ``weave::allreduce_add_rmsnorm`` op.
@@ -44,6 +45,7 @@ from weave_compile.report import SplitSummary
 
 from . import base, graph_utils
 from .fuse_allreduce_rmsnorm import FuseAllReduceRMSNormPass, reducing_sites
+from .identity_clones import drop_identity_clones
 from .merge_all_reduces import MergeAllReducesPass, annotate_merged
 from .output_in_place import OFF, OutputInPlacePass
 from .shard_residual import ShardResidualPass
@@ -149,6 +151,7 @@ class WeavePassManager(CustomGraphPass):
         """merge, fuse (each site's design by ``chooser``; None: the configured ``kernel``), split,
         shard, output: ``(merges, site reports, split summary, residual labels, output labels)``."""
         if self.config.fuse:
+            drop_identity_clones(graph)  # eval-mode dropout between a reduction and its norm
             merges = self.merge(graph)
             sites = annotate_merged(self.fuse(graph, decision.applies, chooser), merges)
         else:

@@ -110,11 +110,18 @@ def _row_vector(node: Any, hidden) -> Optional[fx.Node]:
 
 
 def _strip_weight(node: Any, hidden) -> tuple[Optional[fx.Node], float]:
-    """``w``, ``convert(w)`` or ``add(convert(w), c)`` -> (w, c); (None, 0) if not a weight vector."""
+    """``w``, ``convert(w)`` or ``add(convert(w), c)`` -> (w, c); (None, 0) if not a weight vector.
+
+    The op adds the offset in fp32 (``weight.float() + c``), so only an fp32 add is taken apart:
+    ``w + c`` formed in bf16 (Nemotron's LayerNorm1P, ``self.weight + 1`` in the weight's dtype) is
+    rounded to bf16 before the norm reads it, and that rounded tensor is the op's weight, offset 0.
+    """
     offset = 0.0
-    if is_call(node, aten.add.Tensor, aten.add.Scalar) and isinstance(node.args[1], (int, float)):
+    t = val(node) if isinstance(node, fx.Node) else None
+    in_fp32 = t is not None and t.dtype == torch.float32
+    if in_fp32 and is_call(node, aten.add.Tensor, aten.add.Scalar) and isinstance(node.args[1], (int, float)):
         offset, node = float(node.args[1]), node.args[0]
-    elif is_call(node, aten.add.Tensor) and isinstance(node.args[0], (int, float)):
+    elif in_fp32 and is_call(node, aten.add.Tensor) and isinstance(node.args[0], (int, float)):
         offset, node = float(node.args[0]), node.args[1]
     node = _row_vector(node, hidden)
     return (node, offset) if node is not None else (None, 0.0)
