@@ -38,6 +38,11 @@ newest checked, 5.25, ``EXPECTED_524`` on 5.18-5.24; L = 2 layers here):
 - qwen2_moe: L on 5.17 (the experts stay replicated: o_proj only), 2L + 1 on newer releases: the
   experts' all_reduce -> + the gated shared expert (replicated, a second addend) -> view ->
   +residual -> norm.
+- LayerNorm architectures (issue 47; docs/hf.md): starcoder2, jais2, olmo, nemotron, phimoe: 2L (+1),
+  as llama with a LayerNorm (OLMo's without affine parameters; Nemotron's weight + 1); parallel
+  blocks (cohere, cohere2, phi, gpt_neox, gptj, codegen): L (+1), the attention's and the MLP's
+  all_reduces merged into one per layer. 5.17 has no plan for phimoe, gptj, codegen, nemotron:
+  skipped there (``_no_plan``).
 - deepseek_v3: L (+1) up to 5.24, 2L + 1 on 5.25 (its plan shards MLA's o_proj too). Layer 0 is
   dense (down_proj); layer 1's routed experts and shared expert reduce separately (3 all_reduces
   before the passes on 5.17) and the merge pass makes them one all_reduce, fused: one site per
@@ -65,7 +70,7 @@ from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
 
 from . import checkpoints
 
-# Every phase compiles 13 models on 2 ranks: minutes on CPU (the fast tier covers testing/hf.py
+# Every phase compiles 24 models on 2 ranks: minutes on CPU (the fast tier covers testing/hf.py
 # through tests/passes/split_tokens/test_dead_work.py).
 pytestmark = pytest.mark.slow
 

@@ -10,24 +10,12 @@ import operator
 
 import pytest
 import torch
-import torch.distributed as dist
 
 ar_op = torch.ops._c10d_functional.all_reduce
 wait = torch.ops._c10d_functional.wait_tensor
 from weave_compile.ops import FUSED_OP as FUSED  # noqa: E402  (registers the op)
 T, H = 6, 16
 F32, BF16 = torch.float32, torch.bfloat16
-
-
-@pytest.fixture(scope="module")
-def group():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield dist.group.WORLD.group_name
-    finally:
-        dist.destroy_process_group()
 
 
 def _norm(h, w, eps=1e-6):
@@ -295,3 +283,23 @@ def test_rms_statistic_returned_is_kept(group):
 
     graph, rep = _run(f, ((T, H), F32), ((T, H), F32), ((H,), F32))
     assert rep.matched_count == 1 and "norm intermediates kept" in rep.sites[0].reason
+
+
+@pytest.mark.parametrize("form", ["unbiased", "over_rows"])
+def test_a_layernorm_outside_the_grammar_is_named_in_the_users_words(group, form):
+    """A site before a LayerNorm the op does not compute says which LayerNorm and what about it
+    (layernorm_match.describe_layernorm), not the aten ops that read the sum."""
+
+    def f(x, res, w):
+        h = res + wait(ar_op(x, "sum", group))
+        if form == "unbiased":
+            var, mean = torch.var_mean(h, -1, correction=1, keepdim=True)
+        else:
+            var, mean = torch.var_mean(h, 0, correction=0, keepdim=True)
+        return (h - mean) * torch.rsqrt(var + 1e-5) * w
+
+    _, rep = _run(f, ((T, H), F32), ((T, H), F32), ((H,), F32))
+    detail = {"unbiased": "a LayerNorm with an unbiased variance (correction=1); the fused op divides by H",
+              "over_rows": "a LayerNorm over other dims than the last"}[form]
+    assert rep.matched_count == 0
+    assert rep.sites[0].reason == f"all_reduce result feeds a LayerNorm the fused op does not compute: {detail}"

@@ -4,9 +4,7 @@ dropped where a site runs through them, kept where a clone is not the identity o
 Graphs are traced with ``make_fx`` over a fake 2-rank process group in this process (no spawn).
 """
 
-import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from weave_compile.passes.identity_clones import drop_identity_clones
@@ -17,24 +15,14 @@ clone = torch.ops.aten.clone.default
 T, H = 6, 16
 
 
-@pytest.fixture(scope="module")
-def group():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield dist.group.WORLD.group_name
-    finally:
-        dist.destroy_process_group()
-
-
 def _trace(fn, n_inputs):
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
     shapes = [(T, H)] * (n_inputs - 2) + [(H,), (H,)]
     # AOT's decompositions: F.layer_norm as var_mean, as the passes see it
-    return make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*[torch.randn(*s) for s in shapes])
+    traced = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")
+    return traced(*[torch.randn(*s) for s in shapes])
 
 
 def _clones(gm):
