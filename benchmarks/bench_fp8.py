@@ -66,7 +66,7 @@ def _op(x, residual, weight, group_name, quant: bool, sharded: bool):
 def runners(T: int, H: int, world: int, group_name: str, dev):
     """The three variants' calls on fresh random rows (the residual full for ``inductor``, this
     rank's shard for the op: an interior site's layout)."""
-    import torch._functional_collectives as fcol
+    import torch.distributed._functional_collectives as fcol
 
     g = torch.Generator(device=dev).manual_seed(T * 7 + H)
     x = torch.randn(T, H, generator=g, device=dev).to(torch.bfloat16)

@@ -42,7 +42,8 @@ def test_rows_view_any_leading_dims_as_token_rows_and_back(sharded_in, sharded_o
     assert rows.residual.data_ptr() == residual.data_ptr()
     assert rows.bias.shape == (8,) and rows.weight.shape == (8,)
     assert (rows.num_tokens, rows.hidden) == (10, 8)
-    normed, res_out = rows.restore(torch.randn(10, 8), torch.randn(3 if sharded_out else 10, 8), sharded_out)
+    normed, res_out, scales = rows.restore(torch.randn(10, 8), torch.randn(3 if sharded_out else 10, 8), sharded_out)
+    assert scales.numel() == 0  # no epilogue: no scales
     assert normed.shape == (2, 5, 8) and res_out.shape == ((3, 8) if sharded_out else (2, 5, 8))
 
 

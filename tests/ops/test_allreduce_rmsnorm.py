@@ -132,13 +132,18 @@ def test_one_schema_for_the_fused_op_and_its_async_form():
     for op in (FUSED_OP, START_OP):
         assert tuple(a.name for a in op._schema.arguments) == ARG_NAMES
         assert [str(a.type) for a in op._schema.arguments] == [str(a.type) for a in FUSED_OP._schema.arguments]
-    assert ARG_NAMES[-6:] == ("scale", "eps_tensor", "out_slot", "norm", "norm_bias", "batch_invariant")
-    assert all(arg.has_default_value() for arg in FUSED_OP._schema.arguments[-6:])
-    assert FUSED_OP._schema.arguments[-4].default_value == -1  # a fresh output unless a pass says so
-    assert FUSED_OP._schema.arguments[-3].default_value == "rmsnorm"  # RMSNorm unless a pass says so
-    assert FUSED_OP._schema.arguments[-1].default_value is False  # the collective's own order unless asked
-    assert [a.name for a in WAIT_OP._schema.arguments] == ["normed", "residual_out", "keep_alive"]
-    assert WAIT_OP._schema.arguments[0].alias_info.is_write  # readers are ordered after it
+    quant = ("quant", "quant_dtype", "quant_max", "quant_floor", "quant_reciprocal", "quant_clamp", "quant_scale",
+             "quant_scale_dtype")
+    assert ARG_NAMES[-14:] == ("scale", "eps_tensor", "out_slot", "norm", "norm_bias", "batch_invariant") + quant
+    assert all(arg.has_default_value() for arg in FUSED_OP._schema.arguments[-14:])
+    args = {a.name: a for a in FUSED_OP._schema.arguments}
+    assert args["out_slot"].default_value == -1  # a fresh output unless a pass says so
+    assert args["norm"].default_value == "rmsnorm"  # RMSNorm unless a pass says so
+    assert args["batch_invariant"].default_value is False  # the collective's own order unless asked
+    assert args["quant"].default_value == ""  # no fp8 epilogue unless a pass says so
+    assert len(FUSED_OP._schema.returns) == 3  # normed, residual_out, scales
+    assert [a.name for a in WAIT_OP._schema.arguments] == ["normed", "residual_out", "keep_alive", "scales"]
+    assert all(WAIT_OP._schema.arguments[i].alias_info.is_write for i in (0, 1, 3))  # readers ordered after it
 
 
 def _start_then_wait(rank, world_size, seed):
@@ -187,7 +192,7 @@ def test_an_implementation_gets_every_argument_as_rows_and_spec_and_a_full_works
         args = dict(eps=1e-5, group_name="g", residual_dtype=torch.float32, out_dtype=torch.bfloat16, mid_dtype=None,
                     weight_offset=1.0, residual_in_sharded=False, residual_out_sharded=False, kernel="standin",
                     comm_ctas=4)
-        normed, res_out = mod._fused(x, res, None, w, out_slot=2, eps_tensor=torch.tensor(1e-3), **args)
+        normed, res_out, _ = mod._fused(x, res, None, w, out_slot=2, eps_tensor=torch.tensor(1e-3), **args)
         assert normed.shape == (2, 3, 8) and res_out.shape == (2, 3, 8)  # back to the input's shape
         assert torch.equal(normed, torch.zeros(2, 3, 8)) and torch.equal(res_out, torch.ones(2, 3, 8))
         (rows, spec), = calls
@@ -204,7 +209,7 @@ def test_an_implementation_gets_every_argument_as_rows_and_spec_and_a_full_works
             torch.full(rows.x.shape, 3.0), torch.full(rows.x.shape, 4.0))))
         try:
             with caplog.at_level(logging.WARNING, logger=mod.__name__):
-                normed, res_out = mod._fused(x, res, None, w, out_slot=1, **args)
+                normed, res_out, _ = mod._fused(x, res, None, w, out_slot=1, **args)
         finally:
             kernels.registry.replace(real)
         assert len(fallback) == 1 and torch.equal(normed, torch.full((2, 3, 8), 3.0))  # the fallback's result

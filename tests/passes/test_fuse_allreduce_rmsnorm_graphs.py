@@ -14,6 +14,7 @@ import torch
 ar_op = torch.ops._c10d_functional.all_reduce
 wait = torch.ops._c10d_functional.wait_tensor
 from weave_compile.ops import FUSED_OP as FUSED  # noqa: E402  (registers the op)
+from tests.passes.conftest import group  # noqa: E402,F401  (the fake 2-rank group fixture, which other test packages import from here)
 T, H = 6, 16
 F32, BF16 = torch.float32, torch.bfloat16
 

@@ -45,8 +45,12 @@ def test_call_named_then_named_args_round_trip(graph4):
     # Held positionally in schema order (Inductor's FallbackKernel takes a ``kernel`` parameter).
     assert node.kwargs == {} and len(node.args) == len(ARG_NAMES)
     assert gu.named_args(node) == {**kw, "scale": None, "eps_tensor": None, "out_slot": -1, "norm": "rmsnorm",
-                                   "norm_bias": None, "batch_invariant": False}  # the defaults filled in
-    normed, res_out = node.meta["val"]
+                                   "norm_bias": None, "batch_invariant": False, "quant": "", "quant_dtype": None,
+                                   "quant_max": 0.0, "quant_floor": 0.0, "quant_reciprocal": False,
+                                   "quant_clamp": True, "quant_scale": None,
+                                   "quant_scale_dtype": None}  # the defaults filled in
+    normed, res_out, scales = node.meta["val"]
+    assert scales.shape == (0,)  # no epilogue: no scales
     assert normed.shape == (5, 8) and normed.dtype == torch.bfloat16 and res_out.dtype == torch.float32
 
 

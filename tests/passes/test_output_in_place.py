@@ -389,7 +389,7 @@ def _emulate_the_ring(device: str = "cpu"):
         slot = a["out_slot"]
         if device != "cpu":  # the reference's collectives on CPU: gloo's CUDA all_gather crashed
             a = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in a.items()}
-        normed, res = (t.to(device) for t in mod._fused(**a))
+        normed, res = (t.to(device) for t in mod._fused(**a)[:2])
         if slot < 0:
             return normed, res
         buf = ring.get(slot)
