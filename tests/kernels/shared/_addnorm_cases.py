@@ -94,8 +94,18 @@ def check_rows(cfg: addnorm.LaunchConfig, g: torch.Generator, *, hidden: int, n_
     # Relative to the terms before the norm bias's add (|y * w| <= |normed| + |norm_bias|): a mid
     # dtype rounds y, and the bias may cancel most of y * w.
     size = 1 + want.abs() + (nb.double().abs() if nb is not None else 0)
+    bound = tol * size
+    if norm == "layernorm":
+        # The row's fp32 mean is a few ulps of |mean| off, which moves the centred row by that
+        # against its spread: where the spread is tiny next to the mean (H=2, two close values) that
+        # is no longer small. E[x^2] - mean^2 errs by the square of that ratio.
+        r = got_res.double()
+        mean = r.mean(-1, keepdim=True)
+        spread = ((r - mean).pow(2).mean(-1, keepdim=True) + EPS).sqrt()
+        gain = (w.double() + weight_offset).abs() if w is not None else 1
+        bound = bound + 4 * 2.0 ** -24 * mean.abs() / spread * gain
     err = (normed[:n].double() - want).abs()
-    assert bool((err <= tol * size).all()), f"{where}: normed rows off by up to {(err / size).max().item():.3g} > {tol}"
+    assert bool((err <= bound).all()), f"{where}: normed rows off by up to {(err / bound).max().item():.3g} x the bound"
     if norm == "layernorm" and offset >= 1 and H >= 8:  # the check above tells LayerNorm from RMSNorm here
         rms, _ = allreduce_add_rmsnorm_ref([got_res], None, None, w, eps=EPS, weight_offset=weight_offset,
                                            out_dtype=torch.float64, mid_dtype=mid_dtype, norm_bias=nb)
