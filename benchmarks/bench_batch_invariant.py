@@ -82,17 +82,13 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
 
-    import torch.distributed as dist
-
     import fake_group
     import weave_compile.ops  # noqa: F401  (registers the op)
 
     meta = run_meta()
     rows: list[dict] = []
     path = os.path.join(args.out, "batch_invariant.csv")
-    for i, world in enumerate(int(w) for w in args.world.split(",")):
-        dev = fake_group.init(world, written=i == 0)  # the written collectives stay on for the process
-        group_name = dist.group.WORLD.group_name
+    for world, dev, group_name in fake_group.each_world(int(w) for w in args.world.split(",")):
         for H in [int(h) for h in args.hidden.split(",")]:
             weight = (1 + 0.1 * torch.randn(H, device=dev)).to(torch.bfloat16)
             for design in args.designs.split(","):
@@ -113,7 +109,6 @@ def main(argv=None) -> None:
                     print(f"{design} N={world} H={H} T={T:6d}: {row['us_default']} -> {row['us_invariant']} us "
                           f"({ratio:.3f}x), rows invariant: {row['invariant']}", flush=True)
                     write_csv(path, rows, COLUMNS)
-        dist.destroy_process_group()
     plot(rows, path[:-4] + ".png")
 
 

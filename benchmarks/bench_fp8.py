@@ -120,17 +120,13 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
 
-    import torch.distributed as dist
-
     import fake_group
     import weave_compile.ops  # noqa: F401  (registers the op)
 
     meta = run_meta()
     rows: list[dict] = []
     path = os.path.join(args.out, "fp8.csv")
-    for i, world in enumerate(int(w) for w in args.world.split(",")):
-        dev = fake_group.init(world, written=i == 0)
-        group_name = dist.group.WORLD.group_name
+    for world, dev, group_name in fake_group.each_world(int(w) for w in args.world.split(",")):
         for dims in args.dims.split(","):
             H = DIMS[dims]
             for T in [int(t) for t in args.tokens.split(",")]:
@@ -153,7 +149,6 @@ def main(argv=None) -> None:
                       f"({ratio['epilogue']:.3f}x); gathered {2 * H} -> {H + 4} B/row; codes off {off:.2e}",
                       flush=True)
                 write_csv(path, rows, COLUMNS)
-        dist.destroy_process_group()
     plot(rows, path[:-4] + ".png")
 
 

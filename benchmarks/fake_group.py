@@ -74,6 +74,18 @@ def init(world_size: int = 2, device: int = 0, written: bool = True) -> torch.de
     return torch.device("cpu")
 
 
+def each_world(worlds):
+    """``(world size, device, group name)`` of a fake group of each size in ``worlds`` in turn (this
+    process rank 0 of each; the written collectives entered with the first, for the process), each
+    group destroyed once its iteration is done."""
+    for i, world in enumerate(worlds):
+        dev = init(world, written=i == 0)
+        try:
+            yield world, dev, dist.group.WORLD.group_name
+        finally:
+            dist.destroy_process_group()
+
+
 class OutsideIdentityMode(RuntimeError):
     """The site needs rows that are not on rank 0 (a sharded residual with more than ``ceil(T/N)`` rows)."""
 

@@ -127,10 +127,11 @@ def quantize_ref(y: torch.Tensor, quant: QuantSpec,
     arithmetic would give them, rounded once to fp8 and fp32)."""
     yd = y.to(torch.float64)
     if quant.kind == "row":
-        s = (yd.abs().amax(-1, keepdim=True) / quant.fp8_max)
-        if quant.scale_dtype != torch.float32:  # the model rounds its quotient (and floor) there
+        s = yd.abs().amax(-1, keepdim=True) / quant.fp8_max
+        if quant.scale_dtype != torch.float32:  # the model rounds its quotient there and floors it there
             s = s.to(quant.scale_dtype).clamp_min(quant.floor).to(torch.float64)
-        s = s.clamp_min(quant.floor)
+        else:
+            s = s.clamp_min(quant.floor)
     else:
         s = scale.to(torch.float64).reshape(())
     q = yd / s
@@ -139,13 +140,18 @@ def quantize_ref(y: torch.Tensor, quant: QuantSpec,
     return q.to(quant.dtype), (s.to(torch.float32) if quant.kind == "row" else yd.new_empty((0,), dtype=torch.float32))
 
 
-def gather_quantized(q: torch.Tensor, scales: torch.Tensor, group_name: str, world_size: int,
-                     total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's fp8 rows ``q`` [S, H] and row scales [S, 1] (or empty) gathered in rank order
-    and cut to ``total`` rows. The codes travel as bytes (gloo has no fp8; NCCL needs none)."""
+def gathered_outputs(normed_shard: torch.Tensor, res_shard: torch.Tensor, quant: QuantSpec,
+                     quant_scale: Optional[torch.Tensor], residual_out_sharded: bool, group_name: str,
+                     world_size: int, total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The op's outputs from this rank's normed rows and residual rows (``[S, H]`` each) with an
+    fp8 epilogue: the rows quantized here, every rank's fp8 codes and row scales gathered in rank
+    order and cut to ``total`` rows (the codes travel as bytes: gloo has no fp8, NCCL needs none),
+    and the residual gathered too unless it stays sharded."""
     from weave_compile.rows import all_gather_rows
 
+    q, scales = quantize_rows(normed_shard, quant, quant_scale)
     codes = all_gather_rows(q.view(torch.uint8), group_name, world_size)[:total].view(q.dtype)
-    if scales.numel() == 0:
-        return codes, scales
-    return codes, all_gather_rows(scales, group_name, world_size)[:total]
+    if scales.numel():
+        scales = all_gather_rows(scales, group_name, world_size)[:total]
+    res = res_shard if residual_out_sharded else all_gather_rows(res_shard, group_name, world_size)[:total]
+    return codes, res, scales

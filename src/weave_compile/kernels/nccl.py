@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from weave_compile.quant import gather_quantized, quantize_rows
+from weave_compile.quant import gathered_outputs
 from weave_compile.rows import (all_gather_rows, group_size_rank, ordered_sum_rows, pad_rows, reduce_scatter_rows,
                                 rows_of_rank)
 
@@ -65,10 +65,8 @@ def fused_allreduce_rmsnorm_nccl(rows: Rows, spec: FusedSpec) -> tuple[torch.Ten
                              weight_offset=spec.weight_offset, num_ctas=addnorm.ctas_for(spec, S),
                              norm=spec.norm, norm_bias=rows.norm_bias)
     if spec.quant is not None:  # this rank's rows quantized, gathered as fp8 codes and row scales
-        q, scales = gather_quantized(*quantize_rows(normed_shard, spec.quant, rows.quant_scale), spec.group_name,
-                                     world_size, T)
-        res = res_shard if spec.residual_out_sharded else all_gather_rows(res_shard, spec.group_name, world_size)[:T]
-        return q, res, scales
+        return gathered_outputs(normed_shard, res_shard, spec.quant, rows.quant_scale, spec.residual_out_sharded,
+                                spec.group_name, world_size, T)
     normed = all_gather_rows(normed_shard, spec.group_name, world_size)[:T]
     if spec.residual_out_sharded:
         return normed, res_shard

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from weave_compile.quant import gather_quantized, quantize_rows
+from weave_compile.quant import gathered_outputs
 from weave_compile.rows import (all_gather_rows, group_size_rank, norm_rows, ordered_sum_rows, pad_rows,
                                 reduce_scatter_rows, rows_per_rank)
 
@@ -53,11 +53,8 @@ def reference_impl(rows: Rows, spec: FusedSpec) -> tuple[torch.Tensor, ...]:
     normed_shard = norm_rows(res_shard, rows.weight, rows.eps(spec), spec.out_dtype, spec.mid_dtype, spec.weight_offset,
                              spec.norm, rows.norm_bias)
     if spec.quant is not None:  # the normed rows move as fp8 codes and row scales
-        q, scales = gather_quantized(*quantize_rows(normed_shard, spec.quant, rows.quant_scale), spec.group_name,
-                                     world_size, total)
-        if spec.residual_out_sharded:
-            return q, res_shard, scales
-        return q, all_gather_rows(res_shard, spec.group_name, world_size)[:total], scales
+        return gathered_outputs(normed_shard, res_shard, spec.quant, rows.quant_scale, spec.residual_out_sharded,
+                                spec.group_name, world_size, total)
 
     if spec.residual_out_sharded:
         return all_gather_rows(normed_shard, spec.group_name, world_size)[:total], res_shard

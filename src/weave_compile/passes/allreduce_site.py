@@ -57,8 +57,6 @@ from .graph_utils import (
     prims,
     val,
 )
-from weave_compile.quant import QuantSpec
-
 from .layernorm_match import describe_layernorm, match_norm
 from .rmsnorm_match import NormMatch, feeds_layernorm, scalar_operand
 from .sequence_parallel import (
@@ -106,11 +104,9 @@ class SiteMatch:
     quant: Optional[Any] = None
 
     @property
-    def quant_spec(self) -> Optional[QuantSpec]:
-        q = self.quant
-        if q is None:
-            return None
-        return QuantSpec(q.kind, q.dtype, q.fp8_max, q.scale_floor or 0.0, q.reciprocal, q.clamp, q.scale_dtype)
+    def quant_spec(self):
+        """The op's fp8 epilogue (``weave_compile.quant.QuantSpec``), or None."""
+        return None if self.quant is None else self.quant.spec()
 
     @property
     def residual_out(self) -> fx.Node:

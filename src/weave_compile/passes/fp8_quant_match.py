@@ -54,6 +54,8 @@ from typing import Any, Optional, Union
 import torch
 import torch.fx as fx
 
+from weave_compile.quant import QuantSpec
+
 from .graph_utils import aten, cast_dtype, is_call, shape_readers, val
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -98,6 +100,11 @@ class QuantMatch:
             return f"fp8 {name} per-row ({form})"
         op = "x * (1/s)" if self.reciprocal else "x / s"
         return f"fp8 {name} static per-tensor ({op}{', clamped' if self.clamp else ''})"
+
+    def spec(self) -> QuantSpec:
+        """The fused op's epilogue that computes this chain (``weave_compile.quant``)."""
+        return QuantSpec(self.kind, self.dtype, self.fp8_max, self.scale_floor or 0.0, self.reciprocal, self.clamp,
+                         self.scale_dtype)
 
     def signature(self) -> tuple:
         """What makes two chains compute the same q and scales from the same rows."""
