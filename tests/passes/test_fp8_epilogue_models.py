@@ -67,3 +67,29 @@ def test_the_split_keeps_the_epilogue():
     for run in assert_ranks_ok(run_ranks(_run, 2, args=("per_token", False, True), timeout=TIMEOUT)):
         assert run["casts"] == 0 and run["err"] < TOL, run
         assert run["split"], run["text"]
+
+
+def _dynamic(rank, world):
+    """One compile with a symbolic token count (``dynamic=True``), called at three counts."""
+    import weave_compile
+    from weave_compile.testing import fp8
+    from weave_compile.testing.models import LlamaDims
+
+    d = LlamaDims(layers=2)
+    model = fp8.FP8TPLlama(d, fp8.Fp8Config(form="per_token"), tp=world, rank=rank, group=dist.group.WORLD, seed=3)
+    weave_compile.reset()
+    compiled = torch.compile(model, backend="tokenweave", dynamic=True,
+                             options={"compiler": "aot_eager", "autotune": False, "kernel": "nccl"})
+    errs = []
+    with torch.no_grad():
+        for T in (8, 13, 24):
+            tokens = torch.randint(0, d.vocab, (1, T), generator=torch.Generator().manual_seed(T))
+            out, want = compiled(tokens).float(), model(tokens).float()
+            errs.append(((out - want).norm() / want.norm()).item())
+    return {"errs": errs, "reasons": [s.reason for s in weave_compile.explain().sites if s.fused]}
+
+
+def test_a_symbolic_token_count_keeps_the_epilogue():
+    for run in assert_ranks_ok(run_ranks(_dynamic, 2, timeout=TIMEOUT)):
+        assert all(e < TOL for e in run["errs"]), run
+        assert sum("epilogue, gathered in fp8" in r for r in run["reasons"]) == 4, run["reasons"]

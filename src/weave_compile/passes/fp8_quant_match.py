@@ -108,7 +108,8 @@ class QuantMatch:
 
     def signature(self) -> tuple:
         """What makes two chains compute the same q and scales from the same rows."""
-        shape = tuple(val(self.rows).shape) if val(self.rows) is not None else None
+        # sizes as text: a symbolic size (dynamic=True) is not hashable, and one symbol prints alike
+        shape = tuple(str(d) for d in val(self.rows).shape) if val(self.rows) is not None else None
         return (self.kind, self.dtype, self.fp8_max, self.scale_floor, self.reciprocal, self.clamp,
                 self.static_scale, self.scale_dtype, shape)
 
