@@ -93,3 +93,30 @@ def test_a_symbolic_token_count_keeps_the_epilogue():
     for run in assert_ranks_ok(run_ranks(_dynamic, 2, timeout=TIMEOUT)):
         assert all(e < TOL for e in run["errs"]), run
         assert sum("epilogue, gathered in fp8" in r for r in run["reasons"]) == 4, run["reasons"]
+
+
+def _dtensor(rank, world):
+    """A model parallelized with PyTorch's own TP plan (DTensor), its linears quantizing per token."""
+    import weave_compile
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from weave_compile.testing import fp8
+
+    model = fp8.titan_fp8_tp(init_device_mesh("cpu", (world,)), seed=1)
+    tokens = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(0))
+    weave_compile.reset()
+    with torch.no_grad():
+        out = torch.compile(model, backend="tokenweave", fullgraph=True,
+                            options={"compiler": "aot_eager", "autotune": False, "kernel": "nccl"})(tokens)
+        want = model(tokens)
+    out, want = (t.full_tensor().float() if hasattr(t, "full_tensor") else t.float() for t in (out, want))
+    return {"err": ((out - want).norm() / want.norm()).item(),
+            "sites": [(s.fused, s.reason) for s in weave_compile.explain().sites]}
+
+
+def test_a_dtensor_tp_plan_model_takes_the_epilogue():
+    for run in assert_ranks_ok(run_ranks(_dtensor, 2, timeout=TIMEOUT)):
+        assert run["err"] < TOL, run
+        assert all(fused for fused, _ in run["sites"]), run
+        # two norms per layer read by quantizing linears; the final norm by the bf16 output projection
+        assert sum("fp8 e4m3fn per-row epilogue" in why for _, why in run["sites"]) == 4, run["sites"]

@@ -151,3 +151,41 @@ class FP8TPLlama(TPLlama):
         return FP8TPLlama(self.d, self.fp8, tp=1, seed=seed, dtype=self.embed.weight.dtype,
                           device=self.embed.weight.device)
 
+
+
+class QuantDequantLinear(nn.Linear):
+    """An ``nn.Linear`` (so PyTorch's ``ColwiseParallel`` takes it) whose input is quantized per
+    token (:func:`quant_per_token`) and dequantized before its GEMM: the quant chain an fp8 model
+    writes before ``_scaled_mm``, in a model that a DTensor plan parallelizes (the GEMM stays in the
+    weight's dtype, which DTensor shards)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, s = quant_per_token(x)
+        return nn.functional.linear((q.to(torch.float32) * s).to(x.dtype), self.weight, self.bias)
+
+
+def titan_fp8_tp(mesh, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """torchtitan's Llama (:class:`~weave_compile.testing.sequence_parallel.TitanLlama`) whose q, k,
+    v, w1 and w3 quantize their input per token (:class:`QuantDequantLinear`), parallelized on
+    ``mesh`` with PyTorch's own TP plan without sequence parallelism (each row-parallel output
+    all-reduced, the norms replicated)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from .sequence_parallel import TitanLlama
+
+    model = TitanLlama(seed=seed).to(dtype)
+    for block in model.layers.values():
+        for owner, names in ((block.attention, ("wq", "wk", "wv")), (block.feed_forward, ("w1", "w3"))):
+            for name in names:
+                old = getattr(owner, name)
+                new = QuantDequantLinear(old.in_features, old.out_features, bias=False, dtype=old.weight.dtype)
+                new.weight.data.copy_(old.weight.data)
+                setattr(owner, name, new)
+    parallelize_module(model, mesh, {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+                                     "output": ColwiseParallel(output_layouts=Replicate())})
+    for block in model.layers.values():
+        parallelize_module(block, mesh, {
+            **{f"attention.{n}": ColwiseParallel() for n in ("wq", "wk", "wv")}, "attention.wo": RowwiseParallel(),
+            **{f"feed_forward.{n}": ColwiseParallel() for n in ("w1", "w3")}, "feed_forward.w2": RowwiseParallel()})
+    return model
