@@ -23,6 +23,8 @@ from typing import Callable, Iterable, NamedTuple, Optional
 
 import torch
 
+from weave_compile.quant import QuantSpec
+
 from .spec import FusedSpec, Rows
 
 #: The ``kernel`` option that lets :mod:`.auto` choose; never an implementation's name.
@@ -75,7 +77,7 @@ class Site:
     batch_invariant: bool = False  # the option: only implementations that claim it may run here
     #: the fp8 epilogue the site's op will run (``weave_compile.quant.QuantSpec``; None: none): only
     #: implementations with ``takes_quant`` may run here
-    quant: Optional[object] = None
+    quant: Optional[QuantSpec] = None
 
 
 @dataclasses.dataclass(frozen=True)

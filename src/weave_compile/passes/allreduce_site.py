@@ -34,7 +34,7 @@ or before a scale) blocks the rewrite.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 import torch.fx as fx
@@ -42,6 +42,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from weave_compile.ops import FUSED_OP
 
+from .fp8_quant_match import QuantMatch
 from .graph_utils import (
     VIEW_TARGETS,
     aten,
@@ -101,7 +102,7 @@ class SiteMatch:
     gather: Optional[GatherTail] = None
     #: the fp8 quantization every reader of the normed rows applies, taken into the op
     #: (:mod:`.fp8_quant_match`; set by the fuse pass); None: the op returns the normed rows
-    quant: Optional[Any] = None
+    quant: Optional[QuantMatch] = None
 
     @property
     def quant_spec(self):

@@ -42,8 +42,8 @@ from weave_compile.kernels import auto
 from weave_compile.report import SiteReport
 from weave_compile.rows import group_size
 
-from .allreduce_site import NoMatch, SiteMatch, match_site
 from . import fp8_quant_match
+from .allreduce_site import NoMatch, SiteMatch, match_site
 from .base import WeavePass
 from .graph_utils import REDUCING_TARGETS, fake_mode_of, is_call, val
 from .sequence_parallel import collective_of
@@ -138,7 +138,7 @@ def _terms(m: SiteMatch) -> kernels.NormTerms:
                              norm_bias=dtype(m.norm.bias))
 
 
-def _quant_of(m: SiteMatch) -> tuple[Optional[object], Optional[str]]:
+def _quant_of(m: SiteMatch) -> tuple[Optional[fp8_quant_match.QuantMatch], Optional[str]]:
     """The fp8 quantization the site's op takes in (:mod:`.fp8_quant_match`), or None and why not
     (None: no reader quantizes). A sequence-parallel site quantizes after its all-gather, and a static
     scale computed after the op's place cannot be read there: both keep the quant outside."""
