@@ -68,6 +68,9 @@ def runners(T: int, H: int, world: int, group_name: str, dev):
     rank's shard for the op: an interior site's layout)."""
     import torch.distributed._functional_collectives as fcol
 
+    # A fresh compile per point: Dynamo's per-code cache would otherwise reach its recompile limit
+    # across the sweep's shapes and run the later points eagerly (what the first GPU run timed).
+    torch._dynamo.reset()
     g = torch.Generator(device=dev).manual_seed(T * 7 + H)
     x = torch.randn(T, H, generator=g, device=dev).to(torch.bfloat16)
     S = -(-T // world)
