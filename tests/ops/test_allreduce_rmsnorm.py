@@ -155,7 +155,7 @@ def _start_then_wait(rank, world_size, seed):
                 residual_dtype=torch.float32, out_dtype=torch.float32, mid_dtype=None, weight_offset=0.0,
                 residual_in_sharded=False, residual_out_sharded=False, kernel="reference", comm_ctas=8)
     normed, res_out, _ = START_OP(**args)
-    WAIT_OP(normed, res_out, [x, res])
+    WAIT_OP(normed, res_out, [x, res], None)
     want = FUSED_OP(**args)
     return torch.equal(normed, want[0]) and torch.equal(res_out, want[1])
 

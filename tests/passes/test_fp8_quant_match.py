@@ -68,8 +68,20 @@ def _oracle(m, rows: torch.Tensor, static_scale=None):
     return y.to(m.dtype).to(torch.float64), scale
 
 
+def _per_token_max_then_view(x):
+    """vLLM's per-token form as DTensor decomposes ``max(dim=-1)``: keepdim=True, then a view
+    dropping the 1, then the unsqueeze the model wrote."""
+    fmax = 448.0
+    row_max = x.abs().max(dim=-1, keepdim=True).values.view(x.shape[:-1]).unsqueeze(-1).to(F32)
+    scale = (row_max / fmax).clamp(min=1.0 / (fmax * 512.0))
+    return (x.to(F32) * scale.reciprocal()).clamp(-fmax, fmax).to(E4M3), scale
+
+
 FORMS = {
     # name: (function of (h, w[, s]), expected fields)
+    "vllm_per_token_max_keepdim_then_view": (lambda h, w: _per_token_max_then_view(_norm(h, w)),
+                                             dict(kind="row", dtype=E4M3, fp8_max=448.0, reciprocal=True,
+                                                  clamp=True, scale_dtype=F32)),
     "vllm_per_token": (lambda h, w: fp8.quant_per_token(_norm(h, w)),
                        dict(kind="row", dtype=E4M3, fp8_max=448.0, reciprocal=True, clamp=True,
                             scale_floor=float(torch.tensor(1 / (448 * 512.0)).float()), scale_dtype=F32)),

@@ -263,12 +263,14 @@ allreduce_add_rmsnorm_start.register_fake(_fake)
 
 @torch.library.custom_op("weave::comm_wait", mutates_args=("normed", "residual_out", "scales"))
 def comm_wait(normed: torch.Tensor, residual_out: torch.Tensor, keep_alive: list[torch.Tensor],
-              scales: Optional[torch.Tensor] = None) -> None:
+              scales: Optional[torch.Tensor]) -> None:
     """Make the current stream wait for the start op that produced ``normed`` (only for it).
 
     Declared as writing ``normed``, ``residual_out`` and ``scales`` (an fp8 epilogue's; None
     without one) so that the compiler orders every reader of the results after it; ``keep_alive``
-    (the start's inputs) holds their memory until here.
+    (the start's inputs) holds their memory until here. ``scales`` has no default: a traced call
+    drops arguments equal to their default, and torch 2.11 reads each mutated argument by its
+    position (an omitted one raised IndexError).
     """
     if normed.is_cuda:
         from weave_compile.ops import streams
@@ -277,7 +279,7 @@ def comm_wait(normed: torch.Tensor, residual_out: torch.Tensor, keep_alive: list
 
 
 @comm_wait.register_fake
-def _(normed, residual_out, keep_alive, scales=None):
+def _(normed, residual_out, keep_alive, scales):
     return None
 
 

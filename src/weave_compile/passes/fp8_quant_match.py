@@ -245,13 +245,18 @@ def _row_scale(s: fx.Node, rows: fx.Node, xf: fx.Node) -> Optional[dict]:
         floor = _round_to(floor, next(iter(floor_narrow)))
     div, fp8_max, m = cur, _number(cur.args[1]), cur.args[0]
     nodes.append(div)
-    keepdim = False
+    keepdim = squeezed = False
     while isinstance(m, fx.Node):
         if cast_dtype(m) is not None:
             nodes.append(m)
             m = m.args[0]
         elif is_call(m, aten.unsqueeze.default) and m.args[1] in (-1, val(m).dim() - 1) and not keepdim:
             keepdim = True
+            nodes.append(m)
+            m = m.args[0]
+        elif is_call(m, *_VIEWS) and not squeezed and _drops_last_one(m):
+            # DTensor writes max(dim, keepdim=False) as keepdim=True and a view dropping the 1
+            squeezed = True
             nodes.append(m)
             m = m.args[0]
         else:
@@ -275,13 +280,22 @@ def _row_scale(s: fx.Node, rows: fx.Node, xf: fx.Node) -> Optional[dict]:
         return None
     a = red.args[0]
     nd = val(a).dim() if val(a) is not None else 0
-    if dim not in (-1, nd - 1) or bool(kd) == keepdim or not is_call(a, aten.abs.default):
+    # the scale keeps one trailing 1: the reduction's keepdim, an unsqueeze, less a view dropping it
+    if dim not in (-1, nd - 1) or int(bool(kd)) + keepdim - squeezed != 1 or not is_call(a, aten.abs.default):
         return None
     if a.args[0] is not rows and a.args[0] is not xf:
         return None
     nodes.append(a)
     scale_dtype = next(iter(narrow)) if narrow else torch.float32
     return {"fp8_max": fp8_max, "floor": floor, "scale_dtype": scale_dtype, "nodes": nodes}
+
+
+def _drops_last_one(view: fx.Node) -> bool:
+    """Whether ``view`` only drops its input's trailing size-1 dim (``[..., 1] -> [...]``)."""
+    before, after = val(view.args[0]), val(view)
+    if before is None or after is None or before.dim() != after.dim() + 1 or str(before.shape[-1]) != "1":
+        return False
+    return all(str(a) == str(b) for a, b in zip(before.shape[:-1], after.shape))
 
 
 def _reciprocal_of(r: Any) -> Optional[tuple[fx.Node, list[fx.Node]]]:

@@ -74,7 +74,7 @@ def fused_site(rw: Rewriter, n: fx.Node) -> SplitTuple:
     for h in (0, 1):
         results = [items[i][h] for i in range(count)]
         keep = [a for a in (xh[h], rh[h]) if a is not None]
-        wait = rw.graph.call_function(WAIT_OP, (results[0], results[1], keep, *results[2:]))
+        wait = rw.graph.call_function(WAIT_OP, (results[0], results[1], keep, results[2] if count == 3 else None))
         wait.meta["val"] = None
         wait.meta[HALF_KEY] = h
         for g in results:
