@@ -120,3 +120,34 @@ def test_a_dtensor_tp_plan_model_takes_the_epilogue():
         assert all(fused for fused, _ in run["sites"]), run
         # two norms per layer read by quantizing linears; the final norm by the bf16 output projection
         assert sum("fp8 e4m3fn per-row epilogue" in why for _, why in run["sites"]) == 4, run["sites"]
+
+
+def _measured(rank, world, tmp):
+    """The defaults (the measured choice): fp8 sites' candidates are checked against the oracle with
+    their epilogue and timed against the sites as written with their quant."""
+    import weave_compile
+    from weave_compile.testing import fp8
+    from weave_compile.testing.models import LlamaDims
+
+    d = LlamaDims(layers=2)
+    model = fp8.FP8TPLlama(d, fp8.Fp8Config(form="per_token"), tp=world, rank=rank, group=dist.group.WORLD, seed=3)
+    tokens = torch.randint(0, d.vocab, (1, 24), generator=torch.Generator().manual_seed(5))
+    weave_compile.reset()
+    with torch.no_grad():
+        out = torch.compile(model, backend="tokenweave", options={"compiler": "aot_eager"})(tokens).float()
+        want = model(tokens).float()
+    report = weave_compile.explain()
+    [m] = [m for g in report.graphs for m in g.measured]
+    return {"err": ((out - want).norm() / want.norm()).item(), "text": str(report),
+            "candidates": sorted({c for row in m["rows"] for c in row["times"]}),
+            "epilogue_rows": sum("fp8 e4m3fn per-row" in line for line in str(report).splitlines())}
+
+
+def test_the_measured_choice_times_the_epilogue_against_the_quant_as_written(tmp_path):
+    runs = assert_ranks_ok(run_ranks(_measured, 2, args=(str(tmp_path),), timeout=TIMEOUT,
+                                     env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}))
+    for run in runs:
+        assert run["err"] < TOL, run["text"]
+        # reference passed the oracle check with its epilogue (a design that fails it is not timed)
+        assert run["candidates"] == ["as written", "reference"], run["text"]
+        assert run["epilogue_rows"] > 0, run["text"]  # the measured table names the epilogue
