@@ -98,7 +98,7 @@ def runners(T: int, H: int, world: int, group_name: str, dev):
 def codes_off(x, shard, weight, group_name) -> float:
     """The epilogue's codes against the op's own normed rows quantized in float64 (scales to one
     ulp, codes one step off only on a rounding boundary: else SystemExit)."""
-    from weave_compile.quant import QuantSpec, quantize_ref
+    from weave_compile.quant import QuantSpec, quantize_ref, quotient_ref
     from weave_compile.testing.numerics import codes_agree
 
     spec = QuantSpec("row", FP8, FP8_MAX, FLOOR, reciprocal=True)
@@ -106,7 +106,7 @@ def codes_off(x, shard, weight, group_name) -> float:
     q, _, scales = _op(x, shard, weight, group_name, True, True)
     q_ref, s_ref = quantize_ref(normed, spec)
     ulps = ((scales.double() - s_ref.double()).abs() / s_ref.double()).max().item() / 2 ** -23
-    frac, bad = codes_agree(q.cpu(), q_ref.cpu(), (normed.double() / s_ref.double()).clamp(-FP8_MAX, FP8_MAX).cpu())
+    frac, bad = codes_agree(q.cpu(), q_ref.cpu(), quotient_ref(normed, spec)[0].cpu())
     if bad or ulps > 1:
         raise SystemExit(f"the epilogue is wrong: {bad or ''} scales {ulps:.2f} ulp off")
     return frac

@@ -13,7 +13,12 @@ float32::
     static: s = scale                                    # the model's static per-tensor scale
     q = y * (1 / s)   if reciprocal else   y / s
     q = clamp(q, -fp8_max, fp8_max)   if clamp
-    q = q.to(dtype)                                      # e4m3fn or e5m2
+    q = q.to(dtype)                                      # e4m3fn or e5m2, saturating
+
+The cast rounds to nearest even and saturates at the format's largest finite value (NaN stays
+NaN): what the hardware conversion, hence the model's own compiled chain on GPUs, does. Torch's
+eager cast of a value past the range differs by version (e4m3fn: NaN on 2.11, saturated on
+2.13's CPU build; e5m2: infinity); only a chain without a clamp can meet such a value.
 
 ``reciprocal`` and ``clamp`` follow what the model's code wrote (vLLM's per-token quant multiplies
 by the reciprocal, torchao's per-row form divides); the fuse pass records them
@@ -88,6 +93,12 @@ class QuantSpec:
         name = str(self.dtype).removeprefix("torch.float8_")
         return f"fp8 {name} {'per-row' if self.kind == 'row' else 'static per-tensor'}"
 
+    @property
+    def saturation(self) -> float:
+        """The bound the quotient is clamped to: ``fp8_max`` where the model clamps, else the
+        format's largest finite value (the cast saturates: module doc)."""
+        return self.fp8_max if self.clamp else float(torch.finfo(self.dtype).max)
+
     def row_bytes(self, hidden: int) -> int:
         """Bytes one gathered row of the normed output takes (its fp8 codes, and a row's scale)."""
         return hidden + (4 if self.kind == "row" else 0)
@@ -108,9 +119,7 @@ def quantize_rows(y: torch.Tensor, quant: QuantSpec,
         s = scale.float().reshape(())
         scales = yf.new_empty((0,))
     q = yf * torch.reciprocal(s) if quant.reciprocal else yf / s
-    if quant.clamp:
-        q = q.clamp(-quant.fp8_max, quant.fp8_max)
-    return q.to(quant.dtype), scales
+    return q.clamp(-quant.saturation, quant.saturation).to(quant.dtype), scales
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, quant: QuantSpec,
@@ -121,37 +130,61 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, quant: QuantSpec,
     return q.to(torch.float64) * s.to(torch.float64)
 
 
-def quantize_ref(y: torch.Tensor, quant: QuantSpec,
+def quotient_ref(y: torch.Tensor, quant: QuantSpec,
                  scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The epilogue in float64 from the normed rows ``y`` (the oracle: codes and scales as exact
-    arithmetic would give them, rounded once to fp8 and fp32)."""
+    """``(q float64 [T, H], scales [T, 1] fp32)``: the contract in exact arithmetic up to the fp8
+    cast, with the roundings it states and no others: the row scale computed exactly then rounded
+    to fp32 (the value the contract returns and divides by; to ``scale_dtype`` first where the
+    model divides there), the reciprocal of the form that multiplies rounded to fp32 (the model
+    computes it as an fp32 tensor), the quotient or product exact, then clamped (or saturated:
+    module doc). Only the fp8 cast is left: :func:`quantize_ref`; a code checks against ``q``'s
+    rounding boundaries (``testing.numerics.codes_agree``)."""
     yd = y.to(torch.float64)
     if quant.kind == "row":
         s = yd.abs().amax(-1, keepdim=True) / quant.fp8_max
         if quant.scale_dtype != torch.float32:  # the model rounds its quotient there and floors it there
-            s = s.to(quant.scale_dtype).clamp_min(quant.floor).to(torch.float64)
+            s = s.to(quant.scale_dtype).clamp_min(quant.floor)
         else:
             s = s.clamp_min(quant.floor)
+        scales = s.to(torch.float32)
+        s = scales.to(torch.float64)
     else:
-        s = scale.to(torch.float64).reshape(())
-    q = yd / s
-    if quant.clamp:
-        q = q.clamp(-quant.fp8_max, quant.fp8_max)
-    return q.to(quant.dtype), (s.to(torch.float32) if quant.kind == "row" else yd.new_empty((0,), dtype=torch.float32))
+        s = scale.to(torch.float32).to(torch.float64).reshape(())
+        scales = yd.new_empty((0,), dtype=torch.float32)
+    if quant.reciprocal:
+        q = yd * (1.0 / s).to(torch.float32).to(torch.float64)
+    else:
+        q = yd / s
+    return q.clamp(-quant.saturation, quant.saturation), scales
+
+
+def quantize_ref(y: torch.Tensor, quant: QuantSpec,
+                 scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The epilogue's oracle from the normed rows ``y``: :func:`quotient_ref` rounded once to fp8
+    (codes and scales as exact arithmetic would give them under the contract's own roundings)."""
+    q, scales = quotient_ref(y, quant, scale)
+    return q.to(quant.dtype), scales
 
 
 def gathered_outputs(normed_shard: torch.Tensor, res_shard: torch.Tensor, quant: QuantSpec,
                      quant_scale: Optional[torch.Tensor], residual_out_sharded: bool, group_name: str,
                      world_size: int, total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The op's outputs from this rank's normed rows and residual rows (``[S, H]`` each) with an
-    fp8 epilogue: the rows quantized here, every rank's fp8 codes and row scales gathered in rank
-    order and cut to ``total`` rows (the codes travel as bytes: gloo has no fp8, NCCL needs none),
-    and the residual gathered too unless it stays sharded."""
+    fp8 epilogue: the rows quantized here with torch ops, then :func:`gather_quantized`."""
+    q, scales = quantize_rows(normed_shard, quant, quant_scale)
+    return gather_quantized(q, scales, res_shard, residual_out_sharded, group_name, world_size, total)
+
+
+def gather_quantized(codes: torch.Tensor, scales: torch.Tensor, res_shard: torch.Tensor, residual_out_sharded: bool,
+                     group_name: str, world_size: int, total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The op's outputs from this rank's fp8 codes ``[S, H]``, row scales (``[S, 1]`` fp32; empty for
+    a static scale) and residual rows: every rank's codes and scales gathered in rank order and cut
+    to ``total`` rows (the codes travel as bytes: gloo has no fp8, NCCL needs none), and the
+    residual gathered too unless it stays sharded."""
     from weave_compile.rows import all_gather_rows
 
-    q, scales = quantize_rows(normed_shard, quant, quant_scale)
-    codes = all_gather_rows(q.view(torch.uint8), group_name, world_size)[:total].view(q.dtype)
+    gathered = all_gather_rows(codes.view(torch.uint8), group_name, world_size)[:total].view(codes.dtype)
     if scales.numel():
         scales = all_gather_rows(scales, group_name, world_size)[:total]
     res = res_shard if residual_out_sharded else all_gather_rows(res_shard, group_name, world_size)[:total]
-    return codes, res, scales
+    return gathered, res, scales

@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from weave_compile.quant import gathered_outputs
+from weave_compile.quant import gather_quantized
 from weave_compile.rows import (all_gather_rows, group_size_rank, ordered_sum_rows, pad_rows, reduce_scatter_rows,
                                 rows_of_rank)
 
@@ -43,7 +43,7 @@ from .spec import FusedSpec, Rows
 
 def fused_allreduce_rmsnorm_nccl(rows: Rows, spec: FusedSpec) -> tuple[torch.Tensor, ...]:
     """``(normed [T, H], residual_out [T, H] or this rank's [S, H] shard)`` (with an fp8 epilogue:
-    the fp8 rows first and the row scales third); collective."""
+    the fp8 rows first and the row scales third, quantized by the add+norm kernel); collective."""
     world_size, rank = group_size_rank(spec.group_name)
     x, residual = rows.x, rows.residual
     T, H = x.shape
@@ -55,18 +55,26 @@ def fused_allreduce_rmsnorm_nccl(rows: Rows, spec: FusedSpec) -> tuple[torch.Ten
         acc_in = reduce_scatter_rows(pad_rows(x, S * world_size), spec.group_name, world_size)  # [S, H], x dtype
     if residual is not None and not spec.residual_in_sharded:
         residual = residual[rank * S:rank * S + n_mine]
-    normed_shard = torch.empty((S, H), dtype=spec.out_dtype, device=x.device)
+    quant = spec.quant
+    normed_shard = torch.empty((S, H), dtype=spec.out_dtype if quant is None else quant.dtype, device=x.device)
     res_shard = torch.empty((S, H), dtype=spec.residual_dtype, device=x.device)
+    row_scales = None
+    if quant is not None:  # fp8 codes and their row scales out of the kernel (empty scales: a static one)
+        row_scales = torch.empty((S, 1) if quant.kind == "row" else (0,), dtype=torch.float32, device=x.device)
     if S > n_mine:  # padding rows are gathered (then cut): keep them finite
-        normed_shard[n_mine:].zero_()
+        normed_shard[n_mine:].view(torch.uint8 if quant is not None else normed_shard.dtype).zero_()
+        if row_scales is not None and row_scales.numel():
+            row_scales[n_mine:].fill_(1.0)
     addnorm.add_rmsnorm_rows(acc_in, None, residual, rows.bias, rows.weight,
                              None if rows.scale is None else rows.scale.reshape(1), normed_shard, res_shard,
                              n_valid=n_mine, eps=rows.eps(spec), mid_dtype=spec.mid_dtype,
                              weight_offset=spec.weight_offset, num_ctas=addnorm.ctas_for(spec, S),
-                             norm=spec.norm, norm_bias=rows.norm_bias)
-    if spec.quant is not None:  # this rank's rows quantized, gathered as fp8 codes and row scales
-        return gathered_outputs(normed_shard, res_shard, spec.quant, rows.quant_scale, spec.residual_out_sharded,
-                                spec.group_name, world_size, T)
+                             norm=spec.norm, norm_bias=rows.norm_bias, quant=quant,
+                             quant_scale=None if rows.quant_scale is None else rows.quant_scale.reshape(1),
+                             row_scales=row_scales, out_dtype=spec.out_dtype)
+    if quant is not None:  # gathered as fp8 codes and row scales
+        return gather_quantized(normed_shard, row_scales, res_shard, spec.residual_out_sharded, spec.group_name,
+                                world_size, T)
     normed = all_gather_rows(normed_shard, spec.group_name, world_size)[:T]
     if spec.residual_out_sharded:
         return normed, res_shard

@@ -110,3 +110,88 @@ def check_rows(cfg: addnorm.LaunchConfig, g: torch.Generator, *, hidden: int, n_
         rms, _ = allreduce_add_rmsnorm_ref([got_res], None, None, w, eps=EPS, weight_offset=weight_offset,
                                            out_dtype=torch.float64, mid_dtype=mid_dtype, norm_bias=nb)
         assert ((rms - want).abs() / size).max() > 10 * tol, where
+
+
+def quant_forms() -> dict:
+    """The fp8 epilogue forms the fuse pass records, as the kernel tests draw them: vLLM's per-token
+    (reciprocal, floor), torchao's per-row (its quotient in bf16), e5m2, and the static forms with
+    and without the clamp (those without saturate)."""
+    from weave_compile.quant import QuantSpec
+
+    e4, e5, bf = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
+    return {
+        "vllm-per-token": QuantSpec("row", e4, 448.0, 1e-12, True, True),
+        "torchao-per-row-bf16": QuantSpec("row", e4, 448.0, 1e-12, False, True, bf),
+        "per-row-e5m2": QuantSpec("row", e5, 57344.0, 0.0, False, True),
+        "static-div": QuantSpec("static", e4, 448.0, 0.0, False, True),
+        "static-recip-noclamp": QuantSpec("static", e4, 448.0, 0.0, True, False),
+        "static-e5m2-noclamp": QuantSpec("static", e5, 57344.0, 0.0, False, False),
+    }
+
+
+def check_quant_rows(cfg: addnorm.LaunchConfig, g: torch.Generator, quant, *, hidden: int, n_valid: int,
+                     dtype: torch.dtype = torch.bfloat16, norm: str = "rmsnorm", slots: int = 0,
+                     static_scale: float = 0.02, extremes: bool = False, device: str = "cpu",
+                     where: str = "") -> float:
+    """The kernel's fp8 epilogue (``quant``, a :class:`weave_compile.quant.QuantSpec`) against its
+    contract, bit for bit: the same fresh rows run once without the epilogue (the kernel's own
+    normed rows) and once with it; the codes and row scales must equal
+    :func:`weave_compile.quant.quantize_rows` of those normed rows exactly (a NaN code may differ in
+    its sign: torch leaves it unspecified), the residual rows must not change, and no code or scale
+    past ``n_valid`` may be written (poisoned before). ``extremes``: one row gets a NaN and one an
+    infinity (their codes NaN or the row's other codes 0, as the contract gives), and the rows span
+    ten decades (scales near the floor, codes in the subnormals). Returns the fraction of codes
+    checked against the float64 oracle (:func:`weave_compile.quant.quotient_ref`) that differ from
+    it, by one step at a rounding boundary at most, a second check that does not depend on
+    ``quantize_rows``."""
+    from weave_compile.quant import quantize_rows, quotient_ref
+    from weave_compile.testing.numerics import codes_agree
+
+    H, n = hidden, n_valid
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=g, device=device)
+
+    spread = torch.logspace(-6, 4, max(n, 1), device=device)[:n, None] if extremes else 1.0
+    x = (draw(n, H) * spread).to(dtype)
+    recv = draw(slots, n, H).to(dtype) if slots else None
+    residual = (draw(n, H) * spread).to(dtype)
+    if extremes and n >= 3:
+        residual[1, H // 2] = float("nan")
+        residual[2, 0] = float("inf")
+    w = (1 + 0.5 * draw(H)).to(dtype)
+    nb = draw(H).to(dtype) if norm == "layernorm" else None
+    qs = torch.tensor([static_scale], device=device) if quant.kind == "static" else None
+    kw = dict(n_valid=n, eps=EPS, mid_dtype=None, weight_offset=0.0, num_ctas=2, config=cfg, norm=norm,
+              norm_bias=nb)
+    normed = torch.full((n + 1, H), float("nan"), dtype=dtype, device=device)
+    res_plain = torch.full((n + 2, H), float("nan"), dtype=dtype, device=device)
+    addnorm.add_rmsnorm_rows(x, recv, residual, None, w, None, normed, res_plain, **kw)
+    codes = torch.full((n + 1, H), 0x5A, dtype=torch.uint8, device=device).view(quant.dtype)
+    scales = torch.full((n + 1, 1), float("nan"), device=device)
+    res_q = torch.full((n + 2, H), float("nan"), dtype=dtype, device=device)
+    addnorm.add_rmsnorm_rows(x, recv, residual, None, w, None, codes, res_q, quant=quant, quant_scale=qs,
+                             row_scales=scales, out_dtype=dtype, **kw)
+    as_int = {2: torch.int16, 4: torch.int32}[res_q.element_size()]  # bitwise: a NaN row is one too
+    assert torch.equal(res_q.view(as_int), res_plain.view(as_int)), f"{where}: the epilogue changed the residual"
+    assert bool((codes[n:].view(torch.uint8) == 0x5A).all()), f"{where}: a code past n_valid was written"
+    if quant.kind == "row":
+        assert bool(scales[n:].isnan().all()), f"{where}: a row scale past n_valid was written"
+    if n == 0:
+        return 0.0
+    want_q, want_s = quantize_rows(normed[:n], quant, qs)
+    got, want = codes[:n].float(), want_q.float()
+    same = ((got == want) & (torch.signbit(got) == torch.signbit(want))) | (got.isnan() & want.isnan())
+    assert bool(same.all()), (f"{where}: {int((~same).sum())} codes differ from quantize_rows of the kernel's own "
+                              f"normed rows, e.g. {got[~same][:4].tolist()} for {want[~same][:4].tolist()}")
+    if quant.kind == "row":
+        s_ok = (scales[:n] == want_s) | (scales[:n].isnan() & want_s.isnan())
+        assert bool(s_ok.all()), f"{where}: scales {scales[:n][~s_ok][:4].tolist()} for {want_s[~s_ok][:4].tolist()}"
+    finite = ~(normed[:n].float().isnan().any(-1) | normed[:n].float().isinf().any(-1))
+    if not finite.any():
+        return 0.0
+    exact, _ = quotient_ref(normed[:n][finite], quant, qs)
+    ref = exact.to(quant.dtype)
+    frac, bad = codes_agree(codes[:n][finite].cpu(), ref.cpu(), exact.cpu())
+    assert not bad, f"{where}: against the float64 oracle, {bad}"
+    return frac

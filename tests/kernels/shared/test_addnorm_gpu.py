@@ -19,7 +19,7 @@ from tests.kernels.shared._addnorm_cases import check_rows, loop_configs
 
 pytest.importorskip("triton")
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 BF16 = torch.bfloat16
 OPTIONS = {

@@ -29,6 +29,7 @@ from typing import Optional, Union
 
 import torch
 
+from . import fp8_rows
 from .common import (HAS_TRITON, MAX_HIDDEN, SUPPORTED_DTYPES, interpreting, next_pow2, prefetch_fits, tl, tl_dtype,
                      triton)
 from .shapes import ROWWISE_CHUNK, ROWWISE_WARPS, rowwise_fits
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 ADDNORM_ROWWISE_DEPTH = 8
 
 if HAS_TRITON:
+    from .fp8_rows import quant_tile
     from .rownorm import (add_norm, load_norm_bias, norm_params, norm_tile, rowwise_first_loads, rowwise_group,
                           store_residual_shard)
 
@@ -59,7 +61,7 @@ class LaunchConfig:
 def launch_config(hidden: int, block_rows: Optional[int] = None, num_stages: Optional[int] = None,
                   num_warps: Optional[int] = None, prefetch: Optional[bool] = None, *, slots: int = 1,
                   elem_bytes: int = 2, res_bytes: Optional[int] = None,
-                  rows_per_cta: Optional[int] = None) -> LaunchConfig:
+                  rows_per_cta: Optional[int] = None, quant: bool = False) -> LaunchConfig:
     """Rows per iteration, loop kind, pipeline depth and warps for ``hidden`` (``slots``
     received partials, ``elem_bytes`` the widest input, ``res_bytes`` the residual output's
     element size (default ``elem_bytes``), ``rows_per_cta`` the rows each CTA gets if known); any
@@ -76,6 +78,8 @@ def launch_config(hidden: int, block_rows: Optional[int] = None, num_stages: Opt
     measured where it runs (docs/performance.md, "Launch shapes"); a pipelined shape that does not
     fit in shared memory is retried with fewer stages (launcher).
 
+    ``quant`` (an fp8 epilogue) never gets the one-warp-per-row loop (:func:`add_rmsnorm_rows`).
+
     LayerNorm takes the same shapes (measured for RMSNorm only): its second pass is over the row
     already held in registers, the tile or the one-warp-per-row loop's kept chunks, and compiled
     for sm_90 at H = 2048..8192 the default shapes do not spill (ptxas, bf16, with and without a
@@ -84,7 +88,7 @@ def launch_config(hidden: int, block_rows: Optional[int] = None, num_stages: Opt
     """
     block_h = next_pow2(hidden)
     if ((block_rows, num_stages, num_warps, prefetch) == (None,) * 4
-            and rowwise_fits(hidden, slots, elem_bytes, res_bytes or elem_bytes)
+            and not quant and rowwise_fits(hidden, slots, elem_bytes, res_bytes or elem_bytes)
             and (rows_per_cta is None or rows_per_cta >= ROWWISE_WARPS)):
         return LaunchConfig(ROWWISE_WARPS, 1, ROWWISE_WARPS, False, ROWWISE_CHUNK, ADDNORM_ROWWISE_DEPTH)
     pf_rows = block_rows or max(1, min(8, 8192 // block_h))
@@ -135,13 +139,35 @@ def unavailable_reason(device: torch.device, dtypes, hidden: int) -> Optional[st
 if HAS_TRITON:
 
     @triton.jit
+    def _store_normed(NORMED, QSCALES, rows, cols, m, n_valid, stride_normed_row, normed, qstatic,
+                      QUANT: tl.constexpr, Q_DTYPE: tl.constexpr, Q_MAX: tl.constexpr, Q_FLOOR: tl.constexpr,
+                      Q_RECIP: tl.constexpr, Q_SAT: tl.constexpr, Q_SDTYPE: tl.constexpr, Q_MBITS: tl.constexpr,
+                      Q_BIAS: tl.constexpr, INTERPRET: tl.constexpr):
+        """Store a block's normed rows where ``m``: as they are, or (``QUANT`` 1: per row, 2: static)
+        as fp8 codes through ``NORMED``'s bytes, with a row's scale at ``QSCALES[row]``
+        (:func:`weave_compile.kernels.shared.fp8_rows.quant_tile`)."""
+        ptr = NORMED + rows[:, None] * stride_normed_row + cols[None, :]
+        if QUANT == 0:
+            tl.store(ptr, normed, mask=m)
+        else:
+            code, sc = quant_tile(normed, qstatic, Q_DTYPE, Q_MAX, Q_FLOOR, QUANT == 1, Q_RECIP, Q_SAT, Q_SDTYPE,
+                                  Q_MBITS, Q_BIAS, INTERPRET)
+            tl.store(ptr, code.to(tl.uint8), mask=m)
+            if QUANT == 1:
+                tl.store(QSCALES + rows, sc, mask=rows < n_valid)
+
+    @triton.jit
     def _row_block(X, RECV, RES_IN, NORMED, RES_OUT, blk, n_valid, n_res_rows, stride_x_row, stride_recv_slot,
                    stride_res_in_row, stride_normed_row, stride_res_out_row, eps, w, b, s, cols, cmask,
                    NUM_SLOTS: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                    RES_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, MID_DTYPE: tl.constexpr,
                    HAS_MID: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, nb=None,
-                   IS_LAYERNORM: tl.constexpr = False, HAS_NORM_BIAS: tl.constexpr = False):
+                   IS_LAYERNORM: tl.constexpr = False, HAS_NORM_BIAS: tl.constexpr = False,
+                   QSCALES=None, qstatic=0.0, QUANT: tl.constexpr = 0,
+                   Q_DTYPE: tl.constexpr = None, Q_MAX: tl.constexpr = 1.0, Q_FLOOR: tl.constexpr = 0.0,
+                   Q_RECIP: tl.constexpr = False, Q_SAT: tl.constexpr = 1.0, Q_SDTYPE: tl.constexpr = None,
+                   Q_MBITS: tl.constexpr = 3, Q_BIAS: tl.constexpr = 7, INTERPRET: tl.constexpr = False):
         rows = (blk * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
         m = (rows < n_valid)[:, None] & cmask[None, :]
         acc = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=m, other=0.0).to(tl.float32)
@@ -157,7 +183,8 @@ if HAS_TRITON:
         # rows past n_valid loaded every input as 0: zero already unless a bias or scale moves them
         store_residual_shard(RES_OUT, rows, res, m, cmask, cols, n_res_rows, stride_res_out_row,
                              HAS_BIAS or HAS_SCALE)
-        tl.store(NORMED + rows[:, None] * stride_normed_row + cols[None, :], normed, mask=m)
+        _store_normed(NORMED, QSCALES, rows, cols, m, n_valid, stride_normed_row, normed, qstatic, QUANT, Q_DTYPE,
+                      Q_MAX, Q_FLOOR, Q_RECIP, Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET)
 
     @triton.jit
     def _block_loads(X, RECV, RES_IN, blk, n_valid, stride_x_row, stride_recv_slot, stride_res_in_row,
@@ -198,7 +225,11 @@ if HAS_TRITON:
                       HIDDEN: tl.constexpr, RES_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
                       MID_DTYPE: tl.constexpr, HAS_MID: tl.constexpr, HAS_SCALE: tl.constexpr,
                       HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                      nb=None, IS_LAYERNORM: tl.constexpr = False, HAS_NORM_BIAS: tl.constexpr = False):
+                      nb=None, IS_LAYERNORM: tl.constexpr = False, HAS_NORM_BIAS: tl.constexpr = False,
+                      QSCALES=None, qstatic=0.0, QUANT: tl.constexpr = 0,
+                      Q_DTYPE: tl.constexpr = None, Q_MAX: tl.constexpr = 1.0, Q_FLOOR: tl.constexpr = 0.0,
+                      Q_RECIP: tl.constexpr = False, Q_SAT: tl.constexpr = 1.0, Q_SDTYPE: tl.constexpr = None,
+                      Q_MBITS: tl.constexpr = 3, Q_BIAS: tl.constexpr = 7, INTERPRET: tl.constexpr = False):
         """The math and stores of a row block whose inputs :func:`_block_loads` loaded."""
         rows = (blk * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
         m = (rows < n_valid)[:, None] & cmask[None, :]
@@ -210,7 +241,8 @@ if HAS_TRITON:
         # rows past n_valid loaded every input as 0: zero already unless a bias or scale moves them
         store_residual_shard(RES_OUT, rows, res, m, cmask, cols, n_res_rows, stride_res_out_row,
                              HAS_BIAS or HAS_SCALE)
-        tl.store(NORMED + rows[:, None] * stride_normed_row + cols[None, :], normed, mask=m)
+        _store_normed(NORMED, QSCALES, rows, cols, m, n_valid, stride_normed_row, normed, qstatic, QUANT, Q_DTYPE,
+                      Q_MAX, Q_FLOOR, Q_RECIP, Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET)
 
     # The row counts are not specialized (a count of 1, or one divisible by 16, would otherwise be
     # a binary of its own): a new token count must never compile or load a kernel at run time
@@ -227,6 +259,10 @@ if HAS_TRITON:
         SLOTS_P2: tl.constexpr = 1, CHUNK: tl.constexpr = 0, DEPTH: tl.constexpr = 1,
         HAS_ABORT: tl.constexpr = False, EPS_PTR: tl.constexpr = False,
         NORM_BIAS=None, IS_LAYERNORM: tl.constexpr = False, HAS_NORM_BIAS: tl.constexpr = False,
+        QSCALES=None, QSTATIC=None, QUANT: tl.constexpr = 0, Q_DTYPE: tl.constexpr = None,
+        Q_MAX: tl.constexpr = 1.0, Q_FLOOR: tl.constexpr = 0.0, Q_RECIP: tl.constexpr = False,
+        Q_SAT: tl.constexpr = 1.0, Q_SDTYPE: tl.constexpr = None, Q_MBITS: tl.constexpr = 3,
+        Q_BIAS: tl.constexpr = 7,
     ):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
@@ -248,6 +284,9 @@ if HAS_TRITON:
             # scale becomes NaN and so does every output; else it stays (x * 1.0 is exact).
             nan = tl.full((1,), 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
             s = tl.sum(tl.where(tl.load(ABORT + tl.arange(0, 1)) != 0, nan, s), axis=0)
+        qstatic = 0.0
+        if QUANT == 2:  # the static fp8 scale, read once per CTA
+            qstatic = tl.load(QSTATIC).to(tl.float32)
         num_blocks = (n_res_rows + BLOCK_ROWS - 1) // BLOCK_ROWS
         if CHUNK > 0:
             # One warp per row (rownorm.rowwise_group): row blocks of BLOCK_ROWS rows in chunks
@@ -292,7 +331,8 @@ if HAS_TRITON:
                 _block_finish(cx, crecv, cres, NORMED, RES_OUT, blk, n_valid, n_res_rows, stride_normed_row,
                               stride_res_out_row, eps, w, b, s, cols, cmask, BLOCK_ROWS, HIDDEN, RES_DTYPE,
                               OUT_DTYPE, MID_DTYPE, HAS_MID, HAS_SCALE or HAS_ABORT, HAS_BIAS, HAS_RESIDUAL,
-                              HAS_WEIGHT, nb, IS_LAYERNORM, HAS_NORM_BIAS)
+                              HAS_WEIGHT, nb, IS_LAYERNORM, HAS_NORM_BIAS, QSCALES, qstatic, QUANT, Q_DTYPE,
+                              Q_MAX, Q_FLOOR, Q_RECIP, Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET)
                 blk += nprog
         elif INTERPRET:
             # Triton 3.6's interpreter cannot take runtime bounds in tl.range (numpy >= 2): same body.
@@ -302,7 +342,8 @@ if HAS_TRITON:
                            stride_recv_slot, stride_res_in_row, stride_normed_row, stride_res_out_row, eps, w, b,
                            s, cols, cmask, NUM_SLOTS, HIDDEN, BLOCK_ROWS, RES_DTYPE, OUT_DTYPE, MID_DTYPE,
                            HAS_MID, HAS_SCALE or HAS_ABORT, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, nb, IS_LAYERNORM,
-                           HAS_NORM_BIAS)
+                           HAS_NORM_BIAS, QSCALES, qstatic, QUANT, Q_DTYPE, Q_MAX, Q_FLOOR, Q_RECIP,
+                           Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET)
                 blk += nprog
         else:
             # Pipelined: the loads of the next row blocks are issued before this block's reduction.
@@ -311,7 +352,8 @@ if HAS_TRITON:
                            stride_recv_slot, stride_res_in_row, stride_normed_row, stride_res_out_row, eps, w, b,
                            s, cols, cmask, NUM_SLOTS, HIDDEN, BLOCK_ROWS, RES_DTYPE, OUT_DTYPE, MID_DTYPE,
                            HAS_MID, HAS_SCALE or HAS_ABORT, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, nb, IS_LAYERNORM,
-                           HAS_NORM_BIAS)
+                           HAS_NORM_BIAS, QSCALES, qstatic, QUANT, Q_DTYPE, Q_MAX, Q_FLOOR, Q_RECIP,
+                           Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET)
 
 else:  # pragma: no cover
     _add_rmsnorm_rows_kernel = None
@@ -343,6 +385,10 @@ def add_rmsnorm_rows(
     abort: Optional[torch.Tensor] = None,
     norm: str = "rmsnorm",
     norm_bias: Optional[torch.Tensor] = None,
+    quant=None,
+    quant_scale: Optional[torch.Tensor] = None,
+    row_scales: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ):
     """Write ``normed[:n_valid]`` and ``res_out[:len(res_out)]`` (zeros past ``n_valid``).
 
@@ -356,11 +402,19 @@ def add_rmsnorm_rows(
     ``"rmsnorm"`` or ``"layernorm"`` (the centred row's mean square as the variance); ``norm_bias``
     [H] is added after the weight. Both run in the Triton kernel (its ``IS_LAYERNORM`` /
     ``HAS_NORM_BIAS`` variant, every loop kind) as RMSNorm does.
+    ``quant``: a :class:`weave_compile.quant.QuantSpec` (the fp8 epilogue): the normed rows, rounded
+    to ``out_dtype`` (required then), are written to ``normed`` (``quant.dtype``) as fp8 codes, and
+    with a per-row scale each row's scale to ``row_scales`` ([>= n_valid, 1] fp32, contiguous);
+    a static one is read from ``quant_scale``. In the kernel (:mod:`.fp8_rows`, bit-exact to
+    :func:`weave_compile.quant.quantize_rows`) on the row tile: a quantizing launch never takes the
+    one-warp-per-row loop, whose row is in chunks when each is stored (its amax is not known yet).
     """
     if norm not in ("rmsnorm", "layernorm"):
         raise ValueError(f"add_rmsnorm_rows: norm must be 'rmsnorm' or 'layernorm', got {norm!r}")
     hidden = x.shape[-1]
     n_res_rows = res_out.shape[0]
+    if quant is not None:
+        _check_quant(quant, quant_scale, row_scales, normed, out_dtype, n_valid)
     if n_res_rows == 0:
         return None
     if force_torch or not use_triton(x.device):
@@ -368,16 +422,20 @@ def add_rmsnorm_rows(
             return None
         _add_rmsnorm_rows_torch(x, recv, residual, bias, weight, scale, normed, res_out, n_valid=n_valid,
                                 eps=eps, mid_dtype=mid_dtype, weight_offset=weight_offset, abort=abort,
-                                norm=norm, norm_bias=norm_bias)
+                                norm=norm, norm_bias=norm_bias, quant=quant, quant_scale=quant_scale,
+                                row_scales=row_scales, out_dtype=out_dtype)
         return None
     slots = 0 if recv is None else recv.shape[0]
     cfg = config or launch_config(
         hidden, slots=slots, elem_bytes=max(t.element_size() for t in (x, residual, recv) if t is not None),
-        res_bytes=res_out.element_size(), rows_per_cta=-(-n_res_rows // max(1, int(num_ctas))))
+        res_bytes=res_out.element_size(), rows_per_cta=-(-n_res_rows // max(1, int(num_ctas))),
+        quant=quant is not None)
+    if quant is not None and cfg.chunk:
+        raise ValueError("add_rmsnorm_rows: the fp8 epilogue runs on the row tile, not the one-warp-per-row loop")
     if recv is not None and (recv.stride(-1) != 1 or recv.stride(-2) != hidden):
         raise ValueError("add_rmsnorm_rows: recv slots must hold contiguous rows")
     for name, t in (("x", x), ("residual", residual), ("normed", normed), ("res_out", res_out)):
-        if t is not None and t.stride(-1) != 1:
+        if t is not None and t.stride(-1) != 1 and t.numel() and t.shape[-1] > 1:  # an empty one is never read
             raise ValueError(f"add_rmsnorm_rows: {name} needs unit column stride")
     if norm_bias is not None and (norm_bias.numel() != hidden or not norm_bias.is_contiguous()):
         raise ValueError(f"add_rmsnorm_rows: norm_bias must be a contiguous row of H={hidden} elements")
@@ -386,6 +444,9 @@ def add_rmsnorm_rows(
     ln = {} if norm == "rmsnorm" and norm_bias is None else dict(norm=norm, norm_bias=norm_bias)
     if ln:
         key = key + (norm, norm_bias is not None)
+    if quant is not None:  # the epilogue: its own keywords, and the normed rows' dtype before it
+        ln.update(quant=quant, quant_scale=quant_scale, row_scales=row_scales, out_dtype=out_dtype)
+        key = key + (quant, out_dtype)
     cfg = _SHRUNK.get(key, cfg)
     tensors = (x, recv, residual, bias, weight, scale, abort, normed, res_out)
     while True:
@@ -404,10 +465,13 @@ _SHRUNK: dict = {}  # launch shapes that did not fit -> the shape that did
 
 
 def kernel_args(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, cfg, slots, *, norm="rmsnorm",
-                norm_bias=None) -> tuple[tuple, dict]:
+                norm_bias=None, quant=None, quant_scale=None, row_scales=None,
+                out_dtype=None) -> tuple[tuple, dict]:
     """The add+norm kernel's ``(args, constexpr and launch keywords)`` for ``tensors`` = ``(x, recv,
     residual, bias, weight, scale, abort, normed, res_out)`` (absent ones None). RMSNorm without a
-    norm bias passes none of the LayerNorm keywords: its kernel and cache key are as they were."""
+    norm bias passes none of the LayerNorm keywords, and a launch without ``quant`` none of the fp8
+    epilogue's: their kernels and cache keys are as they were. With ``quant`` the kernel stores
+    ``normed``'s bytes and rounds the normed rows to ``out_dtype`` first."""
     x, recv, residual, bias, weight, scale, abort, normed, res_out = tensors
     hidden = x.shape[-1]
     dummy = x
@@ -419,7 +483,8 @@ def kernel_args(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, cfg
             eps if isinstance(eps, torch.Tensor) else float(eps), float(weight_offset))
     kwargs = dict(
         NUM_SLOTS=slots, HIDDEN=hidden, BLOCK_H=next_pow2(hidden), BLOCK_ROWS=cfg.block_rows,
-        NUM_STAGES=cfg.num_stages, RES_DTYPE=tl_dtype(res_out.dtype), OUT_DTYPE=tl_dtype(normed.dtype),
+        NUM_STAGES=cfg.num_stages, RES_DTYPE=tl_dtype(res_out.dtype),
+        OUT_DTYPE=tl_dtype(normed.dtype if quant is None else out_dtype),
         MID_DTYPE=tl_dtype(mid_dtype if mid_dtype is not None else torch.float32),
         HAS_MID=mid_dtype is not None, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, INTERPRET=interpreting(),
@@ -430,13 +495,17 @@ def kernel_args(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, cfg
         kwargs["IS_LAYERNORM"] = True
     if norm_bias is not None:
         kwargs.update(NORM_BIAS=norm_bias, HAS_NORM_BIAS=True)
+    if quant is not None:
+        args = args[:7] + (normed.view(torch.uint8),) + args[8:]
+        kwargs.update(QSCALES=row_scales if row_scales is not None else dummy,
+                      QSTATIC=quant_scale if quant_scale is not None else dummy,
+                      **fp8_rows.quant_constexprs(quant, out_dtype))
     return args, kwargs
 
 
 def _launch(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, num_ctas, cfg, slots, preload=False,
-            norm="rmsnorm", norm_bias=None):
-    args, kwargs = kernel_args(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, cfg, slots, norm=norm,
-                               norm_bias=norm_bias)
+            **variant):
+    args, kwargs = kernel_args(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, cfg, slots, **variant)
     grid = max(1, min(int(num_ctas), triton.cdiv(n_res_rows, cfg.block_rows)))
     if not preload:
         _add_rmsnorm_rows_kernel[(grid,)](*args, **kwargs)
@@ -449,8 +518,24 @@ def _launch(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, num_cta
     return compiled
 
 
+def _check_quant(quant, quant_scale, row_scales, normed, out_dtype, n_valid) -> None:
+    """The fp8 epilogue's arguments, named where they do not fit (:func:`add_rmsnorm_rows`)."""
+    if out_dtype is None:
+        raise ValueError("add_rmsnorm_rows: an fp8 epilogue needs out_dtype (the normed rows' dtype before it)")
+    if normed.dtype != quant.dtype:
+        raise ValueError(f"add_rmsnorm_rows: normed must be {quant.dtype} with this epilogue, got {normed.dtype}")
+    if quant.kind == "row":
+        if row_scales is None or row_scales.dtype != torch.float32 or row_scales.shape[0] < n_valid \
+                or row_scales.stride(0) != 1:
+            raise ValueError("add_rmsnorm_rows: a per-row fp8 epilogue needs row_scales, [>= n_valid, 1] fp32 "
+                             "with unit row stride")
+    elif quant_scale is None or quant_scale.numel() != 1:
+        raise ValueError("add_rmsnorm_rows: a static fp8 epilogue needs its one-element quant_scale")
+
+
 def _add_rmsnorm_rows_torch(x, recv, residual, bias, weight, scale, normed, res_out, *, n_valid, eps,
-                            mid_dtype, weight_offset, abort=None, norm="rmsnorm", norm_bias=None) -> None:
+                            mid_dtype, weight_offset, abort=None, norm="rmsnorm", norm_bias=None, quant=None,
+                            quant_scale=None, row_scales=None, out_dtype=None) -> None:
     """The kernel's math with torch ops (CPU simulation path)."""
     from weave_compile.rows import norm_rows
 
@@ -468,4 +553,13 @@ def _add_rmsnorm_rows_torch(x, recv, residual, bias, weight, scale, normed, res_
     res = acc.to(res_out.dtype)
     res_out[:n_valid].copy_(res)
     res_out[n_valid:].zero_()
-    normed[:n_valid].copy_(norm_rows(res, weight, eps, normed.dtype, mid_dtype, weight_offset, norm, norm_bias))
+    if quant is None:
+        normed[:n_valid].copy_(norm_rows(res, weight, eps, normed.dtype, mid_dtype, weight_offset, norm, norm_bias))
+        return
+    from weave_compile.quant import quantize_rows
+
+    q, scales = quantize_rows(norm_rows(res, weight, eps, out_dtype, mid_dtype, weight_offset, norm, norm_bias),
+                              quant, quant_scale)
+    normed[:n_valid].copy_(q)
+    if quant.kind == "row":
+        row_scales[:n_valid].copy_(scales)

@@ -1,0 +1,186 @@
+"""The shared add+norm kernel's fp8 epilogue (``kernels/shared/fp8_rows.py``) under Triton's interpreter.
+
+The kernel quantizes the normed rows it computes, so its codes and row scales are checked bit for
+bit against :func:`weave_compile.quant.quantize_rows` of its own normed rows (the same launch
+without the epilogue), and against the float64 oracle (one step at a rounding boundary at most):
+``_addnorm_cases.check_quant_rows``. Each form the fuse pass records (per row with fp32 or bf16
+quotients, a floor, the reciprocal; static with and without the clamp; e4m3fn and e5m2), in the
+tile loops a quantizing launch takes (pipelined, prefetched), RMSNorm and LayerNorm, received
+slots or none; drawn shapes; rows spanning ten decades with a NaN and an infinity. The interpreter
+runs the epilogue's integer rounding path (the GPU runs the hardware conversion: the GPU test
+``test_addnorm_fp8_gpu.py`` checks that one the same way); a test here checks the integer rounding
+itself against torch's cast on every fp32 pattern class. The kernel also compiles for sm_90 at the
+default shapes with the epilogue on (no spills). Outputs are poisoned before each launch.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from weave_compile.kernels.shared import addnorm  # noqa: E402
+from weave_compile.quant import QuantSpec  # noqa: E402
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def _interpret(script: str, *args) -> str:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", script, _ROOT, *map(str, args)], env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]
+    return out.stdout
+
+
+_CHILD = textwrap.dedent("""
+    import sys
+    import torch
+    sys.path.insert(0, sys.argv[1])
+    from tests.kernels.shared._addnorm_cases import check_quant_rows, loop_configs, quant_forms
+    from weave_compile.kernels.shared import addnorm
+
+    FORMS = quant_forms()
+    assert addnorm.use_triton(torch.device("cpu")), "the interpreter is off"
+    g = torch.Generator().manual_seed(int(sys.argv[2]))
+    fracs = []
+    for name, quant in FORMS.items():
+        for H in (40, 64):
+            for kind, cfg in loop_configs(H, small=True).items():
+                if cfg.chunk:
+                    continue
+                for norm, slots in (("rmsnorm", 0), ("layernorm", 1)):
+                    for extremes in (False, True):
+                        # a static scale small enough that the unclamped forms saturate some codes
+                        fracs.append(check_quant_rows(cfg, g, quant, hidden=H, n_valid=5, norm=norm, slots=slots,
+                                                      static_scale=0.002, extremes=extremes,
+                                                      where=f"{name} H={H} {kind} {norm} extremes={extremes}"))
+    print("oracle disagreement", max(fracs))
+    print("ok")
+""")
+
+
+def test_every_form_bit_exact_to_its_contract_in_the_tile_loops(seed):
+    _interpret(_CHILD, seed)
+
+
+_PROPERTY = textwrap.dedent("""
+    import sys
+    import torch
+    from hypothesis import given, settings, strategies as st
+    sys.path.insert(0, sys.argv[1])
+    from tests.kernels.shared._addnorm_cases import check_quant_rows, loop_configs, quant_forms
+
+    FORMS = quant_forms()
+    @settings(max_examples=int(sys.argv[2]), deadline=None, database=None)
+    @given(H=st.integers(1, 96), n=st.integers(0, 9), kind=st.sampled_from(["pipelined", "prefetch"]),
+           form=st.sampled_from(sorted(FORMS)), norm=st.sampled_from(["rmsnorm", "layernorm"]),
+           slots=st.integers(0, 2), fp32=st.booleans(), extremes=st.booleans(),
+           static_scale=st.floats(1e-4, 1.0), seed=st.integers(0, 2**31 - 1))
+    def prop(H, n, kind, form, norm, slots, fp32, extremes, static_scale, seed):
+        check_quant_rows(loop_configs(H, True)[kind], torch.Generator().manual_seed(seed), FORMS[form], hidden=H,
+                         n_valid=n, dtype=torch.float32 if fp32 else torch.bfloat16, norm=norm, slots=slots,
+                         static_scale=static_scale, extremes=extremes,
+                         where=f"H={H} n={n} {kind} {form} {norm} slots={slots} fp32={fp32}")
+
+    prop()
+    print("ok")
+""")
+
+
+def test_epilogue_property_bit_exact_on_drawn_shapes():
+    """Drawn H 1..96 (odd, below a warp, past a power of two), 0..9 rows, forms, loops, dtypes."""
+    _interpret(_PROPERTY, 30)
+
+
+_ROUNDING = textwrap.dedent("""
+    import sys
+    import torch
+    import triton
+    import triton.language as tl
+    sys.path.insert(0, sys.argv[1])
+    from weave_compile.kernels.shared.fp8_rows import fp8_bits
+
+    @triton.jit
+    def k(Q, C, N: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(C + i, fp8_bits(tl.load(Q + i), MBITS, BIAS))
+
+    # every fp8 code's value, the midpoints between neighbours (ties: to even), a hair either side of
+    # them, subnormals, zeros of both signs, and random values across the range
+    for dtype, mbits, bias in ((torch.float8_e4m3fn, 3, 7), (torch.float8_e5m2, 2, 15)):
+        top = torch.finfo(dtype).max
+        vals = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+        vals = vals[vals.isfinite() & (vals.abs() <= top)].unique()
+        mids = (vals[1:] + vals[:-1]) / 2
+        near = torch.cat([mids, torch.nextafter(mids, torch.full_like(mids, 1e9)),
+                          torch.nextafter(mids, torch.full_like(mids, -1e9))])
+        g = torch.Generator().manual_seed(int(sys.argv[2]))
+        rand = (torch.rand(4096, generator=g) * 2 - 1) * top * torch.logspace(-9, 0, 4096)
+        q = torch.cat([vals, near, -near, torch.tensor([0.0, -0.0, 2.0 ** -30, -(2.0 ** -30)]), rand])
+        q = q.clamp(-top, top)
+        n = triton.next_power_of_2(q.numel())
+        q = torch.cat([q, torch.zeros(n - q.numel())])
+        codes = torch.empty(n, dtype=torch.int32)
+        k[(1,)](q, codes, n, mbits, bias)
+        want = q.to(dtype).view(torch.uint8).to(torch.int32)
+        bad = (codes != want).nonzero().flatten()
+        assert not len(bad), (dtype, [(q[i].item(), codes[i].item(), want[i].item()) for i in bad[:8]])
+    print("ok")
+""")
+
+
+def test_the_integer_rounding_equals_torchs_cast(seed):
+    """Every code, every midpoint (ties to even) and a hair either side, subnormals, signed zeros."""
+    _interpret(_ROUNDING, seed)
+
+
+def test_bad_epilogue_arguments_are_named():
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    q = QuantSpec("row", torch.float8_e4m3fn, 448.0)
+    codes = torch.empty(4, 8, dtype=torch.float8_e4m3fn)
+    kw = dict(n_valid=4, eps=1e-5, mid_dtype=None, weight_offset=0.0, num_ctas=1, quant=q)
+    with pytest.raises(ValueError, match="needs out_dtype"):
+        addnorm.add_rmsnorm_rows(x, None, None, None, None, None, codes, torch.empty_like(x),
+                                 row_scales=torch.empty(4, 1), **kw)
+    with pytest.raises(ValueError, match="normed must be"):
+        addnorm.add_rmsnorm_rows(x, None, None, None, None, None, torch.empty_like(x), torch.empty_like(x),
+                                 row_scales=torch.empty(4, 1), out_dtype=x.dtype, **kw)
+    with pytest.raises(ValueError, match="needs row_scales"):
+        addnorm.add_rmsnorm_rows(x, None, None, None, None, None, codes, torch.empty_like(x), out_dtype=x.dtype,
+                                 **kw)
+    kw["quant"] = QuantSpec("static", torch.float8_e4m3fn, 448.0)
+    with pytest.raises(ValueError, match="one-element quant_scale"):
+        addnorm.add_rmsnorm_rows(x, None, None, None, None, None, codes, torch.empty_like(x), out_dtype=x.dtype,
+                                 **kw)
+
+
+def test_a_quantizing_launch_never_takes_the_one_warp_per_row_loop():
+    assert addnorm.launch_config(4096, slots=1, rows_per_cta=64).chunk > 0
+    assert addnorm.launch_config(4096, slots=1, rows_per_cta=64, quant=True).chunk == 0
+
+
+@pytest.mark.parametrize("H", [4096, 8192])
+@pytest.mark.parametrize("kind", ["row", "static"])
+def test_the_epilogue_compiles_for_sm90_without_spills(H, kind):
+    """nccl's default shapes (no received slot; few rows per CTA and many) with the epilogue on."""
+    from tests.kernels.shared.test_addnorm import _ptxas_report
+
+    bf = torch.bfloat16
+    quant = QuantSpec(kind, torch.float8_e4m3fn, 448.0, 1e-12 if kind == "row" else 0.0, kind == "row")
+    for rows_per_cta in (1, 64):
+        cfg = addnorm.launch_config(H, slots=0, rows_per_cta=rows_per_cta, quant=True)
+        rows = 16
+        tensors = (torch.empty(rows, H, dtype=bf), None, torch.empty(rows, H, dtype=bf), None, torch.empty(H, dtype=bf),
+                   None, None, torch.empty(rows, H, dtype=torch.float8_e4m3fn), torch.empty(rows, H, dtype=bf))
+        args, kw = addnorm.kernel_args(tensors, rows, rows, 1e-5, None, 0.0, cfg, 0, quant=quant,
+                                       quant_scale=torch.ones(1), row_scales=torch.empty(rows, 1), out_dtype=bf)
+        assert kw["QUANT"] == (1 if kind == "row" else 2)
+        report = _ptxas_report(args, kw)
+        assert "Used" in report and " 0 bytes spill stores" in report, (cfg, report)
