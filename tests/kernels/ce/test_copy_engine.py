@@ -40,10 +40,11 @@ def allreduce_add_rmsnorm_ref(*args, **kwargs):
 
 
 def ce_call(ws, x, residual=None, bias=None, weight=None, scale=None, *, num_ctas=8, config=None, run=True,
-            eps_tensor=None, **spec_kw):
+            eps_tensor=None, norm_bias=None, **spec_kw):
     """:func:`ce.ce_call` for one rank's tensors; ``spec_kw`` are FusedSpec fields (dtypes: the workspace's)."""
     spec = FusedSpec(residual_dtype=ws.dtypes[2], out_dtype=ws.dtypes[1], comm_ctas=num_ctas, **spec_kw)
-    return ce.ce_call(ws, Rows(x, residual, bias, weight, scale, eps_tensor), spec, config=config, run=run)
+    return ce.ce_call(ws, Rows(x, residual, bias, weight, scale, eps_tensor, norm_bias=norm_bias), spec, config=config,
+                      run=run)
 
 
 class Deadlock(RuntimeError):
@@ -75,8 +76,8 @@ def simulate(programs: list[list], rng: random.Random, greedy: bool = False) -> 
             addnorm.add_rmsnorm_rows(**op.kwargs)
 
 
-def make_inputs(gen, N, T, H, dtype, res_dtype, residual, bias, weight, scale):
-    partials = [torch.randn(T, H, generator=gen).to(dtype) for _ in range(N)]
+def make_inputs(gen, N, T, H, dtype, res_dtype, residual, bias, weight, scale, offset=0.0):
+    partials = [(torch.randn(T, H, generator=gen) + offset).to(dtype) for _ in range(N)]
     res_full = torch.randn(T, H, generator=gen).to(res_dtype) if residual else None
     b = torch.randn(H, generator=gen).to(dtype) if bias else None
     w = (1 + 0.1 * torch.randn(H, generator=gen)).to(dtype) if weight else None
@@ -86,10 +87,11 @@ def make_inputs(gen, N, T, H, dtype, res_dtype, residual, bias, weight, scale):
 
 def run_calls(N, T, H, *, dtype=torch.bfloat16, res_dtype=None, residual="full", bias=False, weight=True,
               scale=False, weight_offset=0.0, mid_dtype=None, calls=3, seed=0, greedy=False, mutate=None,
-              watched=False, eps=1e-5, eps_tensor=False):
+              watched=False, eps=1e-5, eps_tensor=False, norm="rmsnorm", norm_bias=False):
     """Simulate ``calls`` back-to-back calls on N ranks; return [(outputs per rank, inputs), ...].
     ``watched``: the workspaces are watched (progress marks, the abort word read by the norm);
-    ``eps_tensor``: eps comes as a 0-d float64 tensor, the spec's float being 0.0."""
+    ``eps_tensor``: eps comes as a 0-d float64 tensor, the spec's float being 0.0; ``norm``
+    "layernorm" (each partial offset by 1, a mean the LayerNorm removes) with a ``norm_bias``."""
     res_dtype = res_dtype or dtype
     S = -(-T // N)
     wss = ce.emulated_workspaces(N, capacity=S + 3, hidden=H, dtypes=(dtype, dtype, res_dtype))
@@ -100,7 +102,8 @@ def run_calls(N, T, H, *, dtype=torch.bfloat16, res_dtype=None, residual="full",
     results, programs = [], [[] for _ in range(N)]
     for _ in range(calls):
         partials, res_full, b, w, s = make_inputs(gen, N, T, H, dtype, res_dtype, residual is not None, bias,
-                                                  weight, scale)
+                                                  weight, scale, offset=1.0 if norm == "layernorm" else 0.0)
+        nb = torch.randn(H, generator=gen).to(dtype) if norm_bias else None
         if sharded:
             padded = torch.nn.functional.pad(res_full, (0, 0, 0, S * N - T))
             res_in = [padded[r * S:(r + 1) * S] for r in range(N)]
@@ -110,14 +113,14 @@ def run_calls(N, T, H, *, dtype=torch.bfloat16, res_dtype=None, residual="full",
                 wss[r], partials[r], res_in[r] if sharded else res_full, b, w, s, mid_dtype=mid_dtype,
                 weight_offset=weight_offset, residual_in_sharded=sharded, residual_out_sharded=sharded,
                 num_ctas=4, run=False, eps=0.0 if eps_tensor else eps,
-                eps_tensor=torch.tensor(eps, dtype=torch.float64) if eps_tensor else None)
+                eps_tensor=torch.tensor(eps, dtype=torch.float64) if eps_tensor else None, norm=norm, norm_bias=nb)
             normed.fill_(float("nan"))
             res_out.fill_(float("nan"))
             if mutate:
                 prog = mutate(prog)
             programs[r] += prog
             outs.append((normed, res_out))
-        results.append((outs, (partials, res_full, b, w, s)))
+        results.append((outs, (partials, res_full, b, w, s, nb)))
     simulate(programs, rng, greedy=greedy)
     for ws in wss:
         assert int(ws.regions[ws.rank].flags.abs().sum()) == 0, "a flag was left set: replay would break"
@@ -126,9 +129,14 @@ def run_calls(N, T, H, *, dtype=torch.bfloat16, res_dtype=None, residual="full",
     return results, S
 
 
-def check(results, N, S, T, weight_offset=0.0, sharded=False, eps=1e-5):
-    for outs, (partials, res_full, b, w, s) in results:
-        y, acc = allreduce_add_rmsnorm_ref(partials, res_full, b, w, eps=eps, weight_offset=weight_offset, scale=s)
+def check(results, N, S, T, weight_offset=0.0, sharded=False, eps=1e-5, norm="rmsnorm"):
+    for outs, (partials, res_full, b, w, s, nb) in results:
+        y, acc = allreduce_add_rmsnorm_ref(partials, res_full, b, w, eps=eps, weight_offset=weight_offset, scale=s,
+                                           norm=norm, norm_bias=nb)
+        if norm == "layernorm":  # the check tells LayerNorm from RMSNorm on these rows
+            rms, _ = allreduce_add_rmsnorm_ref(partials, res_full, b, w, eps=eps, weight_offset=weight_offset,
+                                               scale=s, norm_bias=nb)
+            assert (rms - y).abs().max() > 10 * TOL[outs[0][0].dtype]["atol"]
         for r, (normed, res_out) in enumerate(outs):
             tol = TOL[normed.dtype]
             torch.testing.assert_close(normed.double(), y, **tol)
@@ -159,6 +167,19 @@ def test_ce_simulation_dtypes_and_options(case, seed):
     results, S = run_calls(3, 29, 64, seed=seed, **case)
     check(results, 3, S, 29, weight_offset=case.get("weight_offset", 0.0), sharded=case.get("residual") == "sharded",
           eps=case.get("eps", 1e-5))
+
+
+@pytest.mark.parametrize("case", [
+    dict(norm_bias=True, bias=True),
+    dict(dtype=torch.float32, residual="sharded", weight=False),
+    dict(norm_bias=True, weight_offset=1.0, mid_dtype=torch.bfloat16, scale=True, watched=True),
+])
+@pytest.mark.parametrize("N,T,H", [(2, 7, 40), (3, 29, 64)])
+def test_ce_simulation_layernorm(N, T, H, case, seed):
+    """The LayerNorm variant through ce's program (its Norm op carries the norm and the norm bias)."""
+    results, S = run_calls(N, T, H, seed=seed, norm="layernorm", **case)
+    check(results, N, S, T, weight_offset=case.get("weight_offset", 0.0), sharded=case.get("residual") == "sharded",
+          norm="layernorm")
 
 
 def test_missing_wait_is_caught(seed):
@@ -415,13 +436,21 @@ def test_entry_reserves_the_workspace_and_loads_the_sites_kernels(monkeypatch):
     assert entry.IMPLEMENTATION.reserve is not None and entry.IMPLEMENTATION.auto_rank is not None
     entry.IMPLEMENTATION.reserve(_site())
     assert calls == [("reserve", ("g", torch.device("cuda", 0), 64, (BF16,) * 3, MIN_RESERVED_ROWS)),
-                     ("preload", ws, dict(residual_dtype=BF16, terms=[(None, BF16, None)], scale_dtype=torch.float32,
-                                          eps_on_device=False))]
+                     ("preload", ws, dict(residual_dtype=BF16, terms=[(None, BF16, None, None)],
+                                          scale_dtype=torch.float32, eps_on_device=False, norm="rmsnorm"))]
+    # a LayerNorm site loads its variant: the norm and the norm bias's dtype reach the preload
+    from weave_compile.kernels.registry import NormTerms
+
+    calls.clear()
+    entry.IMPLEMENTATION.reserve(_site(norm="layernorm", terms=NormTerms(bias=None, weight=BF16, mid=None,
+                                                                         scale=torch.float32, norm_bias=BF16)))
+    assert calls[1][2]["norm"] == "layernorm" and calls[1][2]["terms"] == [(None, BF16, None, BF16)]
     calls.clear()
     entry.IMPLEMENTATION.reserve(_site(size_hint=3 * MIN_RESERVED_ROWS, terms=None, has_scale=False,
                                        residual_in_dtype=None, residual_dtype=torch.float32, eps_on_device=True))
     assert calls == [("reserve", ("g", torch.device("cuda", 0), 64, (BF16, BF16, torch.float32), 3 * MIN_RESERVED_ROWS)),
-                     ("preload", ws, dict(residual_dtype=None, terms=None, scale_dtype=None, eps_on_device=True))]
+                     ("preload", ws, dict(residual_dtype=None, terms=None, scale_dtype=None, eps_on_device=True,
+                                          norm="rmsnorm"))]
 
 
 def test_entry_check_wants_rows_of_16_bytes(monkeypatch):

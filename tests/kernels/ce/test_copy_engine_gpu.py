@@ -80,11 +80,12 @@ def _streams(n):
     return _STREAM_POOL[:n]
 
 
-def emulated_call(wss, xs, residuals, bias, weight, scale, *, num_ctas=8, eps_tensor=None, **spec_kw):
+def emulated_call(wss, xs, residuals, bias, weight, scale, *, num_ctas=8, eps_tensor=None, norm_bias=None,
+                  **spec_kw):
     """Every rank's call through ``ce.emulated_run``; ``spec_kw`` are FusedSpec fields, ``eps_tensor``
-    (0-d, on the device) replaces ``eps``."""
+    (0-d, on the device) replaces ``eps``; ``norm_bias``: a LayerNorm's (with ``norm="layernorm"``)."""
     spec = FusedSpec(residual_dtype=wss[0].dtypes[2], out_dtype=wss[0].dtypes[1], comm_ctas=num_ctas, **spec_kw)
-    rows = [Rows(x, r, bias, weight, scale, eps_tensor) for x, r in zip(xs, residuals)]
+    rows = [Rows(x, r, bias, weight, scale, eps_tensor, norm_bias=norm_bias) for x, r in zip(xs, residuals)]
     return ce.emulated_run(wss, rows, spec, _streams(len(wss)))
 
 
@@ -107,10 +108,12 @@ def _residual_args(res_full, N, T, sharded):
     return [padded[r * S:(r + 1) * S].clone() for r in range(N)]
 
 
-def _check(outs, partials, res_full, bias, weight, N, T, sharded, scale=None, eps=1e-5):
+def _check(outs, partials, res_full, bias, weight, N, T, sharded, scale=None, eps=1e-5, norm="rmsnorm",
+           norm_bias=None):
     # The outputs' dtypes are the contract's: the oracle rounds to them.
     y, acc = allreduce_add_rmsnorm_ref(partials, res_full, bias, weight, eps=eps, scale=scale,
-                                       out_dtype=outs[0][0].dtype, residual_dtype=outs[0][1].dtype)
+                                       out_dtype=outs[0][0].dtype, residual_dtype=outs[0][1].dtype, norm=norm,
+                                       norm_bias=norm_bias)
     S = -(-T // N)
     for r, (normed, res_out) in enumerate(outs):
         torch.testing.assert_close(normed.double(), y, **TOL[normed.dtype])
@@ -210,6 +213,34 @@ def test_ce_emulated_matches_float64(N, T, H, residual, seed):
                          eps=1e-5, residual_in_sharded=residual == "sharded", residual_out_sharded=sharded)
     _sync()
     _check(outs, partials, res_full, bias, weight, N, T, sharded)
+
+
+@pytest.mark.parametrize("N", [2, 3])
+@pytest.mark.parametrize("T", [3, 257, 4099])
+@pytest.mark.parametrize("H", [2048, 4096, 8192])
+@pytest.mark.parametrize("residual", ["full", "sharded"])
+def test_ce_emulated_layernorm(N, T, H, residual, seed):
+    """The LayerNorm variant (a norm bias after the weight; partials offset by 1, a mean the norm
+    removes and RMSNorm would not) through ce at model sizes, every loaded kernel preloaded first by
+    the site's ``preload_site`` as a reservation does: no kernel compiles or loads at run time."""
+    sharded = residual == "sharded"
+    S = -(-T // N)
+    wss = ce.emulated_workspaces(N, max(256, -(-(S + 5) // 256) * 256), H, (BF16,) * 3, device="cuda")
+    for ws in wss:
+        program.preload_site(ws, residual_dtype=BF16, terms=[(BF16, BF16, None, BF16)], scale_dtype=None,
+                             norm="layernorm")
+    cache = addnorm._add_rmsnorm_rows_kernel.device_caches[torch.cuda.current_device()][0]
+    before = set(cache)
+    partials, res_full, bias, weight = _inputs(N, T, H, BF16, BF16, True, seed)
+    partials = [p + 1 for p in partials]
+    nb = torch.randn(H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed + 1)).to(BF16)
+    outs = emulated_call(wss, partials, _residual_args(res_full, N, T, sharded), bias, weight, None, eps=1e-5,
+                         residual_in_sharded=sharded, residual_out_sharded=sharded, norm="layernorm", norm_bias=nb)
+    _sync()
+    _check(outs, partials, res_full, bias, weight, N, T, sharded, norm="layernorm", norm_bias=nb)
+    y_rms, _ = allreduce_add_rmsnorm_ref(partials, res_full, bias, weight, eps=1e-5, norm_bias=nb)
+    assert (outs[0][0].double() - y_rms).abs().max() > 0.2, "the check must tell LayerNorm from RMSNorm here"
+    assert set(cache) == before, f"{len(set(cache) - before)} kernels compiled or loaded at run time"
 
 
 @pytest.mark.parametrize("dtype,res_dtype,out_dtype", [(torch.float32, torch.float32, torch.float32),

@@ -102,7 +102,7 @@ def test_issue_order_runs_in_one_queue(N, watched, seed):
                     _fifo(order)
                 break
             _fifo(order)
-            results.append((outs, (partials, res_full, b, w, s)))
+            results.append((outs, (partials, res_full, b, w, s, None)))
         if interleaved:
             check(results, N, S, T)
 

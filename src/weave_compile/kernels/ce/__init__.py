@@ -3,6 +3,9 @@
 :mod:`.copy_engine` holds the design (protocol, the call, the emulated-rank entry) with
 :mod:`.workspace`, :mod:`.program`, :mod:`.watchdog` and :mod:`.memops`; this module is its
 registry entry.
+
+LayerNorm (``takes_layernorm``): the add+norm kernel's LayerNorm variant (``IS_LAYERNORM``, the
+norm bias after the weight) in each loop kind it runs; a site's reservation loads that variant.
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ def _reserve(site) -> None:
     terms = site.terms
     scale = (terms.scale if terms is not None and terms.scale is not None else torch.float32) if site.has_scale else None
     n = program.preload_site(ws, residual_dtype=site.residual_in_dtype,
-                             terms=None if terms is None else [(terms.bias, terms.weight, terms.mid)],
-                             scale_dtype=scale, eps_on_device=site.eps_on_device)
+                             terms=None if terms is None else [(terms.bias, terms.weight, terms.mid, terms.norm_bias)],
+                             scale_dtype=scale, eps_on_device=site.eps_on_device, norm=site.norm)
     log.info("ce: group %s H=%d: workspace of %d rows per rank, %d add+norm kernels loaded",
              site.group_name, site.hidden, ws.capacity, n)
 
@@ -60,7 +63,7 @@ IMPLEMENTATION = Implementation(
     "ce", "copy-engine peer copies, stream-memory-op flags, a few-CTA add+norm: no SM moves or spins",
     _check, _run, reserve=_reserve, workspaces=workspace.WORKSPACES,
     capacity_error=copy_engine.CeCapacityError, takes_scale=True,
-    takes_eps_tensor=True,
+    takes_eps_tensor=True, takes_layernorm=True,
     # After p2p (2) where nothing measured decides; the measured table (kernels/auto_table.py)
     # picks it where its rows say it is fastest.
     auto_rank=3)

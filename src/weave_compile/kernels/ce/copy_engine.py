@@ -76,6 +76,7 @@ emulation has run).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Optional, Sequence
@@ -132,7 +133,7 @@ def check_args(ws: CeWorkspace, rows: Rows, spec: FusedSpec) -> None:
         exp = (S, H) if spec.residual_in_sharded else (T, H)
         if tuple(rows.residual.shape) != exp:
             raise ValueError(f"ce: residual must have shape {exp}, got {tuple(rows.residual.shape)}")
-    for name, t in (("bias", rows.bias), ("weight", rows.weight)):
+    for name, t in (("bias", rows.bias), ("weight", rows.weight), ("norm_bias", rows.norm_bias)):
         if t is not None and tuple(t.shape) != (H,):
             raise ValueError(f"ce: {name} must have shape [{H}], got {tuple(t.shape)}")
 
@@ -151,7 +152,7 @@ def ce_call(ws: CeWorkspace, rows: Rows, spec: FusedSpec, *, config: Optional[ad
     residual = rows.residual
     if residual is not None and residual.stride(-1) != 1:
         residual = residual.contiguous()
-    rows = Rows(x, residual, rows.bias, rows.weight, rows.scale, rows.eps_tensor)
+    rows = dataclasses.replace(rows, x=x, residual=residual)
     check_args(ws, rows, spec)
     normed, residual_out = allocate_outputs(ws, x.shape[0], spec.residual_out_sharded, x.device)
     prog = build_program(ws, rows, spec, normed, residual_out, config=config)

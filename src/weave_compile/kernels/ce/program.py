@@ -129,6 +129,8 @@ def build_program(ws: CeWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Te
         normed=me.out, res_out=residual_out if spec.residual_out_sharded else me.res[:n_mine], n_valid=n_mine,
         eps=kernel_eps(rows, spec), mid_dtype=spec.mid_dtype, weight_offset=spec.weight_offset, num_ctas=spec.comm_ctas,
         config=config)
+    if spec.norm != "rmsnorm" or rows.norm_bias is not None:  # the LayerNorm variant (RMSNorm's launch as it was)
+        kwargs.update(norm=spec.norm, norm_bias=rows.norm_bias)
     if watched:
         kwargs["abort"] = me.abort
     prog.append(Norm(kwargs))
@@ -206,14 +208,15 @@ EPS_TENSOR_DTYPES = (torch.float64, torch.float32)
 
 
 def preload_site(ws: CeWorkspace, *, residual_dtype: Optional[torch.dtype], terms: Optional[Iterable[tuple]],
-                 scale_dtype: Optional[torch.dtype], eps_on_device: bool = False) -> int:
+                 scale_dtype: Optional[torch.dtype], eps_on_device: bool = False, norm: str = "rmsnorm") -> int:
     """Compile and load every add+norm variant that calls on ``ws`` can launch; returns how many
     distinct kernels that is (0 off GPU: the torch path loads nothing).
 
     A variant is the kernel's constexprs (dtypes, H, slots, which terms, the launch shape) and
     Triton's specialization of its run-time arguments. For a site those follow from the site:
-    ``residual_dtype`` (the residual input's, None: none), ``terms`` (``(bias, weight, mid)``
-    dtypes, None: absent; None: unknown, every combination), ``scale_dtype``, whether eps comes as
+    ``residual_dtype`` (the residual input's, None: none), ``terms`` (``(bias, weight, mid)`` or
+    ``(bias, weight, mid, norm_bias)`` dtypes, None: absent; None: unknown, every combination;
+    a norm bias only with ``norm="layernorm"``), ``norm``, ``scale_dtype``, whether eps comes as
     a device tensor (``eps_on_device``: one variant per :data:`EPS_TENSOR_DTYPES`, its pointer's
     dtype being part of the signature) and whether ``ws`` is watched. Not from T: the row counts
     are not specialized (``do_not_specialize``), and the two launch shapes T can select (one warp
@@ -239,14 +242,17 @@ def preload_site(ws: CeWorkspace, *, residual_dtype: Optional[torch.dtype], term
     abort = torch.zeros(1, dtype=torch.int32, device=dev) if ws.mark is not None else None
     epss = [torch.full((), 1e-6, dtype=dt, device=dev) for dt in EPS_TENSOR_DTYPES] if eps_on_device else [1e-6]
     loaded = set()
-    for bias_dt, weight_dt, mid in dict.fromkeys(terms):
+    for bias_dt, weight_dt, mid, *rest in dict.fromkeys(tuple(t) for t in terms):
         bias = torch.empty(H, dtype=bias_dt, device=dev) if bias_dt is not None else None
         weight = torch.empty(H, dtype=weight_dt, device=dev) if weight_dt is not None else None
+        nb_dt = rest[0] if rest else None
+        variant = {} if norm == "rmsnorm" and nb_dt is None else dict(
+            norm=norm, norm_bias=torch.empty(H, dtype=nb_dt, device=dev) if nb_dt is not None else None)
         for n, eps in itertools.product((1, rows), epss):
             # 1 row per CTA: the tile loop; `rows` per CTA: one warp per row where it fits
             k = addnorm.add_rmsnorm_rows(x, recv, residual, bias, weight, scale, normed, res_out[:n], n_valid=n,
                                          eps=eps, mid_dtype=mid, weight_offset=0.0, num_ctas=1, abort=abort,
-                                         preload=True)
+                                         preload=True, **variant)
             if k is not None:
                 loaded.add(id(k))
     return len(loaded)
