@@ -437,7 +437,8 @@ def test_entry_reserves_the_workspace_and_loads_the_sites_kernels(monkeypatch):
     entry.IMPLEMENTATION.reserve(_site())
     assert calls == [("reserve", ("g", torch.device("cuda", 0), 64, (BF16,) * 3, MIN_RESERVED_ROWS)),
                      ("preload", ws, dict(residual_dtype=BF16, terms=[(None, BF16, None, None)],
-                                          scale_dtype=torch.float32, eps_on_device=False, norm="rmsnorm"))]
+                                          scale_dtype=torch.float32, eps_on_device=False, norm="rmsnorm",
+                                          batch_invariant=False))]
     # a LayerNorm site loads its variant: the norm and the norm bias's dtype reach the preload
     from weave_compile.kernels.registry import NormTerms
 
@@ -445,12 +446,15 @@ def test_entry_reserves_the_workspace_and_loads_the_sites_kernels(monkeypatch):
     entry.IMPLEMENTATION.reserve(_site(norm="layernorm", terms=NormTerms(bias=None, weight=BF16, mid=None,
                                                                          scale=torch.float32, norm_bias=BF16)))
     assert calls[1][2]["norm"] == "layernorm" and calls[1][2]["terms"] == [(None, BF16, None, BF16)]
+    calls.clear()  # a batch-invariant site loads the rank-order variant
+    entry.IMPLEMENTATION.reserve(_site(batch_invariant=True))
+    assert calls[1][2]["batch_invariant"] is True
     calls.clear()
     entry.IMPLEMENTATION.reserve(_site(size_hint=3 * MIN_RESERVED_ROWS, terms=None, has_scale=False,
                                        residual_in_dtype=None, residual_dtype=torch.float32, eps_on_device=True))
     assert calls == [("reserve", ("g", torch.device("cuda", 0), 64, (BF16, BF16, torch.float32), 3 * MIN_RESERVED_ROWS)),
                      ("preload", ws, dict(residual_dtype=None, terms=None, scale_dtype=None, eps_on_device=True,
-                                          norm="rmsnorm"))]
+                                          norm="rmsnorm", batch_invariant=False))]
 
 
 def test_entry_check_wants_rows_of_16_bytes(monkeypatch):

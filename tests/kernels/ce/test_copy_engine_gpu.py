@@ -243,6 +243,45 @@ def test_ce_emulated_layernorm(N, T, H, residual, seed):
     assert set(cache) == before, f"{len(set(cache) - before)} kernels compiled or loaded at run time"
 
 
+@pytest.mark.parametrize("N", [3, 4])
+@pytest.mark.parametrize("H", [4096, 8192])
+def test_ce_batch_invariant_rows_on_the_gpu(N, H, seed):
+    """``batch_invariant``: one row (ranks 0 and 1 carry cancelling partials, so the order of the sum
+    shows) run alone and at several positions in calls of 3..4099 rows, with 2 and 32 CTAs, full and
+    sharded residual: its normed and residual rows bitwise the same on the GPU (the kernel's
+    rank-order sum on one launch shape). Without the option the row owned by rank 2 differs."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    big = (torch.randn(H, device="cuda", generator=g) * 2.0 ** 20).to(BF16)
+    parts = [big, -big] + [torch.randn(H, device="cuda", generator=g).to(BF16) for _ in range(N - 2)]
+    res_row = torch.randn(H, device="cuda", generator=g).to(BF16)
+    weight = (1 + 0.1 * torch.randn(H, device="cuda", generator=g)).to(BF16)
+
+    def run(T, pos, ctas, sharded, invariant):
+        S = -(-T // N)
+        wss = ce.emulated_workspaces(N, max(256, -(-(S + 1) // 256) * 256), H, (BF16,) * 3, device="cuda")
+        xs = [torch.randn(T, H, device="cuda", generator=g).to(BF16) for _ in range(N)]
+        residual = torch.randn(T, H, device="cuda", generator=g).to(BF16)
+        for r in range(N):
+            xs[r][pos] = parts[r]
+        residual[pos] = res_row
+        outs = emulated_call(wss, xs, _residual_args(residual, N, T, sharded), None, weight, None, eps=1e-5,
+                             residual_in_sharded=sharded, residual_out_sharded=sharded, num_ctas=ctas,
+                             batch_invariant=invariant)
+        _sync()
+        owner, j = pos // S, pos % S
+        res = outs[owner][1][j] if sharded else outs[0][1][pos]
+        return outs[0][0][pos].view(torch.int16), res.view(torch.int16)
+
+    for sharded in (False, True):
+        n0, r0 = run(1, 0, 2, sharded, True)
+        for T, pos, ctas in ((3, 2, 2), (257, 200, 32), (4099, 4098, 32), (4099, 17, 2)):
+            n, r = run(T, pos, ctas, sharded, True)
+            assert torch.equal(n, n0) and torch.equal(r, r0), (T, pos, ctas, sharded)
+    T = 9  # S = 3 at N = 3 (rank 2 owns row 8), 3 at N = 4 (rank 2 owns rows 6-8)
+    assert not torch.equal(run(T, 8, 2, False, False)[0], run(1, 0, 2, False, False)[0]), \
+        "without the option the owner must show: else this test proves nothing"
+
+
 @pytest.mark.parametrize("dtype,res_dtype,out_dtype", [(torch.float32, torch.float32, torch.float32),
                                                        (torch.bfloat16, torch.float32, torch.bfloat16),
                                                        (torch.float16, torch.float16, torch.float32)])

@@ -131,6 +131,8 @@ def build_program(ws: CeWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Te
         config=config)
     if spec.norm != "rmsnorm" or rows.norm_bias is not None:  # the LayerNorm variant (RMSNorm's launch as it was)
         kwargs.update(norm=spec.norm, norm_bias=rows.norm_bias)
+    if spec.batch_invariant and N > 1:  # the partials in rank order, one launch shape for every T
+        kwargs["rank_order"] = r
     if watched:
         kwargs["abort"] = me.abort
     prog.append(Norm(kwargs))
@@ -208,7 +210,8 @@ EPS_TENSOR_DTYPES = (torch.float64, torch.float32)
 
 
 def preload_site(ws: CeWorkspace, *, residual_dtype: Optional[torch.dtype], terms: Optional[Iterable[tuple]],
-                 scale_dtype: Optional[torch.dtype], eps_on_device: bool = False, norm: str = "rmsnorm") -> int:
+                 scale_dtype: Optional[torch.dtype], eps_on_device: bool = False, norm: str = "rmsnorm",
+                 batch_invariant: bool = False) -> int:
     """Compile and load every add+norm variant that calls on ``ws`` can launch; returns how many
     distinct kernels that is (0 off GPU: the torch path loads nothing).
 
@@ -216,7 +219,8 @@ def preload_site(ws: CeWorkspace, *, residual_dtype: Optional[torch.dtype], term
     Triton's specialization of its run-time arguments. For a site those follow from the site:
     ``residual_dtype`` (the residual input's, None: none), ``terms`` (``(bias, weight, mid)`` or
     ``(bias, weight, mid, norm_bias)`` dtypes, None: absent; None: unknown, every combination;
-    a norm bias only with ``norm="layernorm"``), ``norm``, ``scale_dtype``, whether eps comes as
+    a norm bias only with ``norm="layernorm"``), ``norm``, ``batch_invariant`` (the rank-order
+    variant, one launch shape), ``scale_dtype``, whether eps comes as
     a device tensor (``eps_on_device``: one variant per :data:`EPS_TENSOR_DTYPES`, its pointer's
     dtype being part of the signature) and whether ``ws`` is watched. Not from T: the row counts
     are not specialized (``do_not_specialize``), and the two launch shapes T can select (one warp
@@ -248,6 +252,8 @@ def preload_site(ws: CeWorkspace, *, residual_dtype: Optional[torch.dtype], term
         nb_dt = rest[0] if rest else None
         variant = {} if norm == "rmsnorm" and nb_dt is None else dict(
             norm=norm, norm_bias=torch.empty(H, dtype=nb_dt, device=dev) if nb_dt is not None else None)
+        if batch_invariant and N > 1:
+            variant["rank_order"] = ws.rank
         for n, eps in itertools.product((1, rows), epss):
             # 1 row per CTA: the tile loop; `rows` per CTA: one warp per row where it fits
             k = addnorm.add_rmsnorm_rows(x, recv, residual, bias, weight, scale, normed, res_out[:n], n_valid=n,

@@ -167,13 +167,29 @@ if HAS_TRITON:
                    QSCALES=None, qstatic=0.0, QUANT: tl.constexpr = 0,
                    Q_DTYPE: tl.constexpr = None, Q_MAX: tl.constexpr = 1.0, Q_FLOOR: tl.constexpr = 0.0,
                    Q_RECIP: tl.constexpr = False, Q_SAT: tl.constexpr = 1.0, Q_SDTYPE: tl.constexpr = None,
-                   Q_MBITS: tl.constexpr = 3, Q_BIAS: tl.constexpr = 7, INTERPRET: tl.constexpr = False):
+                   Q_MBITS: tl.constexpr = 3, Q_BIAS: tl.constexpr = 7, INTERPRET: tl.constexpr = False,
+                   OWN: tl.constexpr = -1):
         rows = (blk * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
         m = (rows < n_valid)[:, None] & cmask[None, :]
-        acc = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        for k in tl.static_range(NUM_SLOTS):
-            acc += tl.load(RECV + k * stride_recv_slot + rows[:, None] * HIDDEN + cols[None, :], mask=m,
-                           other=0.0).to(tl.float32)
+        own = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        if OWN < 0:  # x, then the slots in slot order
+            acc = own
+            for k in tl.static_range(NUM_SLOTS):
+                acc += tl.load(RECV + k * stride_recv_slot + rows[:, None] * HIDDEN + cols[None, :], mask=m,
+                               other=0.0).to(tl.float32)
+        else:  # rank order: x is rank OWN's partial, slot k holds rank k (k < OWN) or k + 1
+            acc = tl.zeros_like(own)
+            for p in tl.static_range(NUM_SLOTS + 1):
+                if p == OWN:
+                    term = own
+                else:
+                    slot: tl.constexpr = p if p < OWN else p - 1
+                    term = tl.load(RECV + slot * stride_recv_slot + rows[:, None] * HIDDEN + cols[None, :], mask=m,
+                                   other=0.0).to(tl.float32)
+                if p == 0:
+                    acc = term
+                else:
+                    acc += term
         if HAS_SCALE:
             acc = acc * s
         # The one add+norm body of every kernel (rownorm.py); our rows are shard-local (j == rows).
@@ -262,7 +278,7 @@ if HAS_TRITON:
         QSCALES=None, QSTATIC=None, QUANT: tl.constexpr = 0, Q_DTYPE: tl.constexpr = None,
         Q_MAX: tl.constexpr = 1.0, Q_FLOOR: tl.constexpr = 0.0, Q_RECIP: tl.constexpr = False,
         Q_SAT: tl.constexpr = 1.0, Q_SDTYPE: tl.constexpr = None, Q_MBITS: tl.constexpr = 3,
-        Q_BIAS: tl.constexpr = 7,
+        Q_BIAS: tl.constexpr = 7, OWN: tl.constexpr = -1,
     ):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
@@ -343,7 +359,7 @@ if HAS_TRITON:
                            s, cols, cmask, NUM_SLOTS, HIDDEN, BLOCK_ROWS, RES_DTYPE, OUT_DTYPE, MID_DTYPE,
                            HAS_MID, HAS_SCALE or HAS_ABORT, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, nb, IS_LAYERNORM,
                            HAS_NORM_BIAS, QSCALES, qstatic, QUANT, Q_DTYPE, Q_MAX, Q_FLOOR, Q_RECIP,
-                           Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET)
+                           Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET, OWN)
                 blk += nprog
         else:
             # Pipelined: the loads of the next row blocks are issued before this block's reduction.
@@ -353,7 +369,7 @@ if HAS_TRITON:
                            s, cols, cmask, NUM_SLOTS, HIDDEN, BLOCK_ROWS, RES_DTYPE, OUT_DTYPE, MID_DTYPE,
                            HAS_MID, HAS_SCALE or HAS_ABORT, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, nb, IS_LAYERNORM,
                            HAS_NORM_BIAS, QSCALES, qstatic, QUANT, Q_DTYPE, Q_MAX, Q_FLOOR, Q_RECIP,
-                           Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET)
+                           Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET, OWN)
 
 else:  # pragma: no cover
     _add_rmsnorm_rows_kernel = None
@@ -389,6 +405,7 @@ def add_rmsnorm_rows(
     quant_scale: Optional[torch.Tensor] = None,
     row_scales: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
+    rank_order: Optional[int] = None,
 ):
     """Write ``normed[:n_valid]`` and ``res_out[:len(res_out)]`` (zeros past ``n_valid``).
 
@@ -408,6 +425,12 @@ def add_rmsnorm_rows(
     a static one is read from ``quant_scale``. In the kernel (:mod:`.fp8_rows`, bit-exact to
     :func:`weave_compile.quant.quantize_rows`) on the row tile: a quantizing launch never takes the
     one-warp-per-row loop, whose row is in chunks when each is stored (its amax is not known yet).
+    ``rank_order``: the partials are added in rank order in fp32, ``x`` being rank
+    ``rank_order``'s and slot ``k`` rank ``k`` (``k < rank_order``) or ``k + 1`` (the ``ce``
+    layout, :func:`weave_compile.kernels.ce.workspace.slot_of`); the launch shape is then the
+    pipelined row tile whatever the row count (the one-warp-per-row loop, picked from 8 rows per
+    CTA on, sums a row's squares in another order, and the prefetched tile sums its slots as a
+    tree): a row's outputs do not depend on the call's other rows.
     """
     if norm not in ("rmsnorm", "layernorm"):
         raise ValueError(f"add_rmsnorm_rows: norm must be 'rmsnorm' or 'layernorm', got {norm!r}")
@@ -415,6 +438,12 @@ def add_rmsnorm_rows(
     n_res_rows = res_out.shape[0]
     if quant is not None:
         _check_quant(quant, quant_scale, row_scales, normed, out_dtype, n_valid)
+    if rank_order is not None:
+        slots = 0 if recv is None else recv.shape[0]
+        if not 0 <= rank_order <= slots:
+            raise ValueError(f"add_rmsnorm_rows: rank_order {rank_order} outside 0..{slots} (x and {slots} slots)")
+        if config is not None and (config.chunk or config.prefetch):
+            raise ValueError("add_rmsnorm_rows: rank_order runs on the pipelined row tile only, got " + str(config))
     if n_res_rows == 0:
         return None
     if force_torch or not use_triton(x.device):
@@ -423,9 +452,11 @@ def add_rmsnorm_rows(
         _add_rmsnorm_rows_torch(x, recv, residual, bias, weight, scale, normed, res_out, n_valid=n_valid,
                                 eps=eps, mid_dtype=mid_dtype, weight_offset=weight_offset, abort=abort,
                                 norm=norm, norm_bias=norm_bias, quant=quant, quant_scale=quant_scale,
-                                row_scales=row_scales, out_dtype=out_dtype)
+                                row_scales=row_scales, out_dtype=out_dtype, rank_order=rank_order)
         return None
     slots = 0 if recv is None else recv.shape[0]
+    if config is None and rank_order is not None:  # one shape for every row count (docstring)
+        config = launch_config(hidden, prefetch=False)
     cfg = config or launch_config(
         hidden, slots=slots, elem_bytes=max(t.element_size() for t in (x, residual, recv) if t is not None),
         res_bytes=res_out.element_size(), rows_per_cta=-(-n_res_rows // max(1, int(num_ctas))),
@@ -447,6 +478,9 @@ def add_rmsnorm_rows(
     if quant is not None:  # the epilogue: its own keywords, and the normed rows' dtype before it
         ln.update(quant=quant, quant_scale=quant_scale, row_scales=row_scales, out_dtype=out_dtype)
         key = key + (quant, out_dtype)
+    if rank_order is not None:
+        ln["rank_order"] = rank_order
+        key = key + ("rank order", rank_order)
     cfg = _SHRUNK.get(key, cfg)
     tensors = (x, recv, residual, bias, weight, scale, abort, normed, res_out)
     while True:
@@ -466,7 +500,7 @@ _SHRUNK: dict = {}  # launch shapes that did not fit -> the shape that did
 
 def kernel_args(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, cfg, slots, *, norm="rmsnorm",
                 norm_bias=None, quant=None, quant_scale=None, row_scales=None,
-                out_dtype=None) -> tuple[tuple, dict]:
+                out_dtype=None, rank_order=None) -> tuple[tuple, dict]:
     """The add+norm kernel's ``(args, constexpr and launch keywords)`` for ``tensors`` = ``(x, recv,
     residual, bias, weight, scale, abort, normed, res_out)`` (absent ones None). RMSNorm without a
     norm bias passes none of the LayerNorm keywords, and a launch without ``quant`` none of the fp8
@@ -500,6 +534,8 @@ def kernel_args(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, cfg
         kwargs.update(QSCALES=row_scales if row_scales is not None else dummy,
                       QSTATIC=quant_scale if quant_scale is not None else dummy,
                       **fp8_rows.quant_constexprs(quant, out_dtype))
+    if rank_order is not None:
+        kwargs["OWN"] = int(rank_order)
     return args, kwargs
 
 
@@ -535,12 +571,18 @@ def _check_quant(quant, quant_scale, row_scales, normed, out_dtype, n_valid) -> 
 
 def _add_rmsnorm_rows_torch(x, recv, residual, bias, weight, scale, normed, res_out, *, n_valid, eps,
                             mid_dtype, weight_offset, abort=None, norm="rmsnorm", norm_bias=None, quant=None,
-                            quant_scale=None, row_scales=None, out_dtype=None) -> None:
+                            quant_scale=None, row_scales=None, out_dtype=None, rank_order=None) -> None:
     """The kernel's math with torch ops (CPU simulation path)."""
     from weave_compile.rows import norm_rows
 
     acc = x[:n_valid].float()
-    if recv is not None:
+    if recv is not None and rank_order is not None:  # rank order, x at its rank's place
+        terms = [recv[k, :n_valid].float() for k in range(recv.shape[0])]
+        terms.insert(rank_order, acc)
+        acc = terms[0]
+        for t in terms[1:]:
+            acc = acc + t
+    elif recv is not None:
         acc = acc + recv[:, :n_valid].float().sum(0)
     if scale is not None:
         acc = acc * scale.float().reshape(())
