@@ -438,7 +438,7 @@ def test_entry_reserves_the_workspace_and_loads_the_sites_kernels(monkeypatch):
     assert calls == [("reserve", ("g", torch.device("cuda", 0), 64, (BF16,) * 3, MIN_RESERVED_ROWS)),
                      ("preload", ws, dict(residual_dtype=BF16, terms=[(None, BF16, None, None)],
                                           scale_dtype=torch.float32, eps_on_device=False, norm="rmsnorm",
-                                          batch_invariant=False))]
+                                          batch_invariant=False, quant=None))]
     # a LayerNorm site loads its variant: the norm and the norm bias's dtype reach the preload
     from weave_compile.kernels.registry import NormTerms
 
@@ -454,7 +454,7 @@ def test_entry_reserves_the_workspace_and_loads_the_sites_kernels(monkeypatch):
                                        residual_in_dtype=None, residual_dtype=torch.float32, eps_on_device=True))
     assert calls == [("reserve", ("g", torch.device("cuda", 0), 64, (BF16, BF16, torch.float32), 3 * MIN_RESERVED_ROWS)),
                      ("preload", ws, dict(residual_dtype=None, terms=None, scale_dtype=None, eps_on_device=True,
-                                          norm="rmsnorm", batch_invariant=False))]
+                                          norm="rmsnorm", batch_invariant=False, quant=None))]
 
 
 def test_entry_check_wants_rows_of_16_bytes(monkeypatch):
@@ -522,3 +522,69 @@ def test_addnorm_with_the_abort_word_compiles_for_sm90():
                                       options=options.__dict__)
             ptx[abort is not None] = compiled.asm["ptx"]
         assert "0f7FC00000" in ptx[True] and "0f7FC00000" not in ptx[False], cfg
+
+
+@pytest.mark.parametrize("N,T,H", [(2, 7, 40), (3, 29, 64), (3, 2, 48)])
+@pytest.mark.parametrize("form", ["vllm-per-token", "torchao-per-row-bf16", "static-recip-noclamp"])
+@pytest.mark.parametrize("residual", ["full", "sharded"])
+def test_ce_simulation_fp8_epilogue(N, T, H, form, residual, seed):
+    """ce with an fp8 epilogue: each rank's kernel writes codes and row scales into its ``out``
+    region's bytes and the pulls move them; the gathered codes and scales equal, bit for bit, the
+    same program's normed rows (run without the epilogue on the same inputs) quantized by
+    ``quant.quantize_rows``, on every rank, and the residual is unchanged by the epilogue."""
+    from tests.kernels.shared._addnorm_cases import quant_forms
+    from weave_compile.quant import quantize_rows
+
+    quant = quant_forms()[form]
+    sharded = residual == "sharded"
+    S = -(-T // N)
+    gen, rng = torch.Generator().manual_seed(seed), random.Random(seed)
+    partials, res_full, b, w, _ = make_inputs(gen, N, T, H, BF16, BF16, True, True, True, False)
+    qs = torch.tensor(0.01) if quant.kind == "static" else None
+    padded = torch.nn.functional.pad(res_full, (0, 0, 0, S * N - T))
+
+    def run(q):
+        wss = ce.emulated_workspaces(N, 256, H, (BF16,) * 3)
+        spec = FusedSpec(residual_dtype=BF16, out_dtype=BF16, comm_ctas=4, residual_in_sharded=sharded,
+                         residual_out_sharded=sharded, quant=q)
+        outs, programs = [], []
+        for r in range(N):
+            res_in = padded[r * S:(r + 1) * S] if sharded else res_full
+            scales = ce.allocate_scales(spec, T, "cpu").fill_(float("nan"))
+            normed, res_out, prog = ce.ce_call(wss[r], Rows(partials[r], res_in, b, w, quant_scale=qs), spec,
+                                               run=False, scales=scales)
+            normed.view(torch.uint8).fill_(0x5A) if q is not None else normed.fill_(float("nan"))
+            outs.append((normed, res_out, scales))
+            programs.append(prog)
+        simulate(programs, rng)
+        return outs
+
+    plain, quantized = run(None), run(quant)
+    want_q, want_s = quantize_rows(plain[0][0], quant, qs)
+    for r in range(N):
+        codes, res_out, scales = quantized[r]
+        assert codes.dtype == quant.dtype and torch.equal(codes.view(torch.uint8), want_q.view(torch.uint8)), r
+        assert torch.equal(res_out.view(torch.int16), plain[r][1].view(torch.int16)), r
+        if quant.kind == "row":
+            assert torch.equal(scales, want_s), r
+        else:
+            assert scales.numel() == 0
+
+
+def test_ce_quant_views_leave_the_workspace_layout_as_it_is():
+    ws = ce.emulated_workspaces(2, 256, 64, (BF16,) * 3)[0]
+    reg = ws.regions[0]
+    codes, scales = ce_workspace.quant_views(reg)
+    base = reg.out.data_ptr()
+    assert codes.shape == (256, 64) and codes.data_ptr() == base and codes.is_contiguous()
+    assert scales.shape == (256, 1) and scales.data_ptr() == base + 256 * 64 and scales.data_ptr() % 4 == 0
+    assert scales.data_ptr() + 4 * 256 <= base + reg.out.numel() * reg.out.element_size()
+    with pytest.raises(ValueError, match="needs scales"):
+        spec = FusedSpec(residual_dtype=BF16, out_dtype=BF16, quant=ce_workspace_quant())
+        ce.ce_call(ws, Rows(torch.randn(4, 64).to(BF16)), spec, run=False)
+
+
+def ce_workspace_quant():
+    from weave_compile.quant import QuantSpec
+
+    return QuantSpec("row", torch.float8_e4m3fn, 448.0)

@@ -282,6 +282,45 @@ def test_ce_batch_invariant_rows_on_the_gpu(N, H, seed):
         "without the option the owner must show: else this test proves nothing"
 
 
+@pytest.mark.parametrize("N", [2, 3])
+@pytest.mark.parametrize("T", [3, 257, 4099])
+@pytest.mark.parametrize("H", [4096, 8192])
+@pytest.mark.parametrize("form", ["vllm-per-token", "torchao-per-row-bf16", "static-recip-noclamp"])
+def test_ce_emulated_fp8_epilogue(N, T, H, form, seed):
+    """ce's fp8 epilogue on the GPU (the kernel's hardware fp8 conversion): every rank's gathered
+    codes and row scales equal, bit for bit, the normed rows of the same call without the epilogue
+    quantized by ``quant.quantize_rows``; the kernels the site's reservation loads are all a call
+    launches (no load at run time)."""
+    from tests.kernels.shared._addnorm_cases import quant_forms
+    from weave_compile.quant import quantize_rows
+
+    quant = quant_forms()[form]
+    S = -(-T // N)
+    cap = max(256, -(-(S + 1) // 256) * 256)
+    partials, res_full, bias, weight = _inputs(N, T, H, BF16, BF16, True, seed)
+    qs = torch.tensor(0.01, device="cuda") if quant.kind == "static" else None
+    wss_q = ce.emulated_workspaces(N, cap, H, (BF16,) * 3, device="cuda")
+    for ws in wss_q:
+        program.preload_site(ws, residual_dtype=BF16, terms=[(BF16, BF16, None, None)], scale_dtype=None,
+                             quant=quant)
+    cache = addnorm._add_rmsnorm_rows_kernel.device_caches[torch.cuda.current_device()][0]
+    before = set(cache)
+    spec = FusedSpec(residual_dtype=BF16, out_dtype=BF16, comm_ctas=8, quant=quant)
+    rows = [Rows(x, res_full, bias, weight, quant_scale=qs) for x in partials]
+    outs = ce.emulated_run(wss_q, rows, spec, _streams(N))
+    _sync()
+    assert set(cache) == before, f"{len(set(cache) - before)} kernels compiled or loaded at run time"
+    plain = emulated_call(ce.emulated_workspaces(N, cap, H, (BF16,) * 3, device="cuda"), partials, [res_full] * N,
+                          bias, weight, None, eps=1e-5)
+    _sync()
+    want_q, want_s = quantize_rows(plain[0][0], quant, qs)
+    for r, (codes, res_out, scales) in enumerate(outs):
+        assert torch.equal(codes.view(torch.uint8), want_q.view(torch.uint8)), r
+        assert torch.equal(res_out, plain[r][1]), r
+        if quant.kind == "row":
+            assert torch.equal(scales, want_s), r
+
+
 @pytest.mark.parametrize("dtype,res_dtype,out_dtype", [(torch.float32, torch.float32, torch.float32),
                                                        (torch.bfloat16, torch.float32, torch.bfloat16),
                                                        (torch.float16, torch.float16, torch.float32)])

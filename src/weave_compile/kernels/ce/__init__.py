@@ -7,6 +7,11 @@ registry entry.
 LayerNorm (``takes_layernorm``): the add+norm kernel's LayerNorm variant (``IS_LAYERNORM``, the
 norm bias after the weight) in each loop kind it runs; a site's reservation loads that variant.
 
+fp8 epilogue (``takes_quant``): the add+norm kernel quantizes this rank's rows
+(:mod:`weave_compile.kernels.shared.fp8_rows`, on the row tile) into its ``out`` region's bytes,
+codes then row scales (:func:`.workspace.quant_views`: the layout is unchanged), and the pulls
+move H + 4 bytes a row instead of 2H; a site's reservation loads the quantizing variant.
+
 Batch invariance (``batch_invariant``): the add+norm kernel adds a row's partials in rank order in
 fp32 (this rank's own at its place among the received slots) on one launch shape for every token
 count (:func:`weave_compile.kernels.shared.addnorm.add_rmsnorm_rows`, ``rank_order``); the copies
@@ -54,7 +59,7 @@ def _reserve(site) -> None:
     n = program.preload_site(ws, residual_dtype=site.residual_in_dtype,
                              terms=None if terms is None else [(terms.bias, terms.weight, terms.mid, terms.norm_bias)],
                              scale_dtype=scale, eps_on_device=site.eps_on_device, norm=site.norm,
-                             batch_invariant=site.batch_invariant)
+                             batch_invariant=site.batch_invariant, quant=site.quant)
     log.info("ce: group %s H=%d: workspace of %d rows per rank, %d add+norm kernels loaded",
              site.group_name, site.hidden, ws.capacity, n)
 
@@ -69,7 +74,7 @@ IMPLEMENTATION = Implementation(
     "ce", "copy-engine peer copies, stream-memory-op flags, a few-CTA add+norm: no SM moves or spins",
     _check, _run, reserve=_reserve, workspaces=workspace.WORKSPACES,
     capacity_error=copy_engine.CeCapacityError, takes_scale=True,
-    takes_eps_tensor=True, takes_layernorm=True, batch_invariant=True,
+    takes_eps_tensor=True, takes_layernorm=True, batch_invariant=True, takes_quant=True,
     # After p2p (2) where nothing measured decides; the measured table (kernels/auto_table.py)
     # picks it where its rows say it is fastest.
     auto_rank=3)

@@ -96,7 +96,8 @@ from .workspace import (AG, RS, CeAbortedError, CeCapacityError, CeRegions, CeWo
 log = logging.getLogger(__name__)
 
 __all__ = ["AG", "RS", "CeAbortedError", "CeCapacityError", "CeRegions", "CeWorkspace", "Copy", "Mark", "Norm", "Op",
-           "Reset", "Signal", "Wait", "allocate_outputs", "build_program", "carve", "ce_call", "check_args",
+           "Reset", "Signal", "Wait", "allocate_outputs", "allocate_scales", "build_program", "carve", "ce_call",
+           "check_args",
            "emulated_run", "emulated_workspaces", "execute", "get_workspace", "issue_order", "layout_bytes",
            "preload", "preload_site", "reserve", "run_ce", "slot_of", "stream_wait", "stream_write",
            "unavailable_reason"]
@@ -112,10 +113,10 @@ def stream_wait(stream: torch.cuda.Stream, ptr: int, value: int) -> None:
     memops.wait(stream, ptr, value)
 
 
-def allocate_outputs(ws: CeWorkspace, num_tokens: int, residual_out_sharded: bool, device):
+def allocate_outputs(ws: CeWorkspace, num_tokens: int, residual_out_sharded: bool, device, quant=None):
     _, out_dt, res_dt = ws.dtypes
     S = math.ceil(num_tokens / ws.world_size)
-    normed = torch.empty((num_tokens, ws.hidden), dtype=out_dt, device=device)
+    normed = torch.empty((num_tokens, ws.hidden), dtype=out_dt if quant is None else quant.dtype, device=device)
     res_rows = S if residual_out_sharded else num_tokens
     return normed, torch.empty((res_rows, ws.hidden), dtype=res_dt, device=device)
 
@@ -138,9 +139,18 @@ def check_args(ws: CeWorkspace, rows: Rows, spec: FusedSpec) -> None:
             raise ValueError(f"ce: {name} must have shape [{H}], got {tuple(t.shape)}")
 
 
+def allocate_scales(spec: FusedSpec, num_tokens: int, device) -> torch.Tensor:
+    """The op's third output for ``spec``: a per-row fp8 epilogue's ``[T, 1]`` fp32 row scales,
+    else an empty tensor (a static scale, or no epilogue)."""
+    row = spec.quant is not None and spec.quant.kind == "row"
+    return torch.empty((num_tokens, 1) if row else (0,), dtype=torch.float32, device=device)
+
+
 def ce_call(ws: CeWorkspace, rows: Rows, spec: FusedSpec, *, config: Optional[addnorm.LaunchConfig] = None,
-            run: bool = True):
+            run: bool = True, scales: Optional[torch.Tensor] = None):
     """One rank's call on a prepared workspace: returns ``(normed, residual_out)`` (and the program).
+    With an fp8 epilogue (``spec.quant``) ``normed`` is the fp8 rows and a per-row scale's outputs
+    go to ``scales`` (``[T, 1]`` fp32, the caller's: :func:`allocate_scales`).
 
     With ``run`` the program is enqueued on the current CUDA stream (on an emulated workspace its
     kernels are loaded first); without, the caller runs it (the CPU simulation, :func:`emulated_run`).
@@ -154,8 +164,10 @@ def ce_call(ws: CeWorkspace, rows: Rows, spec: FusedSpec, *, config: Optional[ad
         residual = residual.contiguous()
     rows = dataclasses.replace(rows, x=x, residual=residual)
     check_args(ws, rows, spec)
-    normed, residual_out = allocate_outputs(ws, x.shape[0], spec.residual_out_sharded, x.device)
-    prog = build_program(ws, rows, spec, normed, residual_out, config=config)
+    normed, residual_out = allocate_outputs(ws, x.shape[0], spec.residual_out_sharded, x.device, spec.quant)
+    if spec.quant is not None and spec.quant.kind == "row" and (scales is None or scales.shape != (x.shape[0], 1)):
+        raise ValueError(f"ce: a per-row fp8 epilogue needs scales [{x.shape[0]}, 1] fp32 (allocate_scales)")
+    prog = build_program(ws, rows, spec, normed, residual_out, config=config, scales=scales)
     if run:
         if ws.emulated:
             preload(prog)
@@ -171,7 +183,7 @@ def emulated_run(wss: Sequence[CeWorkspace], rows: Sequence[Rows], spec: FusedSp
 
     Safe by construction (module doc, "Deadlock freedom"): every output is allocated, every program
     built and every kernel loaded before anything is enqueued, then the programs are enqueued in
-    :func:`.program.issue_order`."""
+    :func:`.program.issue_order`. With an fp8 epilogue each rank's ``(codes, residual_out, scales)``."""
     if not (len(wss) == len(rows) == len(streams)) or len({id(s) for s in streams}) != len(streams):
         raise ValueError("emulated_run: one workspace, one Rows and one distinct stream per rank")
     for ws in wss:
@@ -181,8 +193,9 @@ def emulated_run(wss: Sequence[CeWorkspace], rows: Sequence[Rows], spec: FusedSp
     for ws, r, s in zip(wss, rows, streams):
         s.wait_stream(main)  # first: under capture this joins the rank's stream to it
         with torch.cuda.stream(s):
-            normed, residual_out, prog = ce_call(ws, r, spec, config=config, run=False)
-        outs.append((normed, residual_out))
+            scales = allocate_scales(spec, r.x.shape[0], r.x.device)
+            normed, residual_out, prog = ce_call(ws, r, spec, config=config, run=False, scales=scales)
+        outs.append((normed, residual_out) if spec.quant is None else (normed, residual_out, scales))
         progs.append(prog)
     for prog in progs:
         preload(prog)
@@ -202,5 +215,6 @@ def run_ce(rows: Rows, spec: FusedSpec) -> tuple[torch.Tensor, torch.Tensor]:
             raise ValueError(f"ce: dtype {dt} not supported ({SUPPORTED_DTYPES})")
     ws = get_workspace(spec.group_name, x.device, x.shape[-1], dtypes, x.shape[0])
     with torch.cuda.device(x.device):
-        normed, residual_out, _ = ce_call(ws, rows, spec)
-    return normed, residual_out
+        scales = allocate_scales(spec, x.shape[0], x.device)
+        normed, residual_out, _ = ce_call(ws, rows, spec, scales=scales)
+    return (normed, residual_out) if spec.quant is None else (normed, residual_out, scales)

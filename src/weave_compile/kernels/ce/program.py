@@ -24,7 +24,7 @@ from ..shared.shapes import ROWWISE_WARPS
 from ..shared.symm_call import kernel_eps
 from ..spec import FusedSpec, Rows
 from . import memops
-from .workspace import AG, RS, CeWorkspace, slot_of
+from .workspace import AG, RS, CeWorkspace, quant_views, slot_of
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +89,14 @@ def decode_mark(value: int) -> tuple[int, Optional[int], Optional[int]]:
 
 
 def build_program(ws: CeWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Tensor, residual_out: torch.Tensor,
-                  *, config: Optional[addnorm.LaunchConfig] = None) -> list[Op]:
+                  *, config: Optional[addnorm.LaunchConfig] = None, scales: Optional[torch.Tensor] = None) -> list[Op]:
     """The ops of one call on rank ``ws.rank`` (:mod:`.copy_engine`, steps 1-7), in stream order.
 
     On a watched workspace (``ws.mark``) a mark precedes each wait and follows the last one, and
-    the add+norm kernel reads the rank's abort word."""
+    the add+norm kernel reads the rank's abort word. With an fp8 epilogue (``spec.quant``) the
+    kernel writes this rank's codes and row scales into its ``out`` region's bytes
+    (:func:`.workspace.quant_views`), ``normed`` is the fp8 output ``[T, H]`` and ``scales`` the
+    row scales' ``[T, 1]`` fp32 (a per-row scale), and the pulls move codes and scales."""
     x, residual = rows.x, rows.residual
     N, r, T = ws.world_size, ws.rank, x.shape[0]
     S = math.ceil(T / N)
@@ -122,17 +125,24 @@ def build_program(ws: CeWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Te
         res_in = residual
     else:
         res_in = residual[r * S:r * S + n_mine]
+    quant = spec.quant
+    views = [quant_views(reg) for reg in ws.regions] if quant is not None else None
     kwargs = dict(  # 4.
         x=x[r * S:r * S + n_mine] if n_mine else x[:0], recv=me.recv[:N - 1] if N > 1 else None,
         residual=res_in, bias=rows.bias, weight=rows.weight,
         scale=None if rows.scale is None else rows.scale.reshape(1),
-        normed=me.out, res_out=residual_out if spec.residual_out_sharded else me.res[:n_mine], n_valid=n_mine,
+        normed=me.out if quant is None else views[r][0].view(quant.dtype),
+        res_out=residual_out if spec.residual_out_sharded else me.res[:n_mine], n_valid=n_mine,
         eps=kernel_eps(rows, spec), mid_dtype=spec.mid_dtype, weight_offset=spec.weight_offset, num_ctas=spec.comm_ctas,
         config=config)
     if spec.norm != "rmsnorm" or rows.norm_bias is not None:  # the LayerNorm variant (RMSNorm's launch as it was)
         kwargs.update(norm=spec.norm, norm_bias=rows.norm_bias)
     if spec.batch_invariant and N > 1:  # the partials in rank order, one launch shape for every T
         kwargs["rank_order"] = r
+    if quant is not None:
+        kwargs.update(quant=quant, out_dtype=spec.out_dtype,
+                      quant_scale=None if rows.quant_scale is None else rows.quant_scale.reshape(1),
+                      row_scales=views[r][1] if quant.kind == "row" else None)
     if watched:
         kwargs["abort"] = me.abort
     prog.append(Norm(kwargs))
@@ -143,10 +153,16 @@ def build_program(ws: CeWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Te
         prog.append(Mark(ws.mark.tensor[:1], ws.mark.device_ptr, done_mark(seq)))
     for p in range(N):  # 7. pull every rank's rows (our own too: a local copy-engine copy)
         n = rows_of_rank(T, S, p)
-        if n:
+        if not n:
+            continue
+        if quant is not None:  # fp8 codes as bytes, and the row scales
+            prog.append(Copy(normed.view(torch.uint8)[p * S:p * S + n], views[p][0][:n]))
+            if quant.kind == "row":
+                prog.append(Copy(scales[p * S:p * S + n], views[p][1][:n]))
+        else:
             prog.append(Copy(normed[p * S:p * S + n], ws.regions[p].out[:n]))
-            if not spec.residual_out_sharded:
-                prog.append(Copy(residual_out[p * S:p * S + n], ws.regions[p].res[:n]))
+        if not spec.residual_out_sharded:
+            prog.append(Copy(residual_out[p * S:p * S + n], ws.regions[p].res[:n]))
     return prog
 
 
@@ -211,7 +227,7 @@ EPS_TENSOR_DTYPES = (torch.float64, torch.float32)
 
 def preload_site(ws: CeWorkspace, *, residual_dtype: Optional[torch.dtype], terms: Optional[Iterable[tuple]],
                  scale_dtype: Optional[torch.dtype], eps_on_device: bool = False, norm: str = "rmsnorm",
-                 batch_invariant: bool = False) -> int:
+                 batch_invariant: bool = False, quant=None) -> int:
     """Compile and load every add+norm variant that calls on ``ws`` can launch; returns how many
     distinct kernels that is (0 off GPU: the torch path loads nothing).
 
@@ -220,7 +236,8 @@ def preload_site(ws: CeWorkspace, *, residual_dtype: Optional[torch.dtype], term
     ``residual_dtype`` (the residual input's, None: none), ``terms`` (``(bias, weight, mid)`` or
     ``(bias, weight, mid, norm_bias)`` dtypes, None: absent; None: unknown, every combination;
     a norm bias only with ``norm="layernorm"``), ``norm``, ``batch_invariant`` (the rank-order
-    variant, one launch shape), ``scale_dtype``, whether eps comes as
+    variant, one launch shape), ``quant`` (the site's fp8 epilogue, a
+    :class:`weave_compile.quant.QuantSpec`, or None), ``scale_dtype``, whether eps comes as
     a device tensor (``eps_on_device``: one variant per :data:`EPS_TENSOR_DTYPES`, its pointer's
     dtype being part of the signature) and whether ``ws`` is watched. Not from T: the row counts
     are not specialized (``do_not_specialize``), and the two launch shapes T can select (one warp
@@ -254,9 +271,14 @@ def preload_site(ws: CeWorkspace, *, residual_dtype: Optional[torch.dtype], term
             norm=norm, norm_bias=torch.empty(H, dtype=nb_dt, device=dev) if nb_dt is not None else None)
         if batch_invariant and N > 1:
             variant["rank_order"] = ws.rank
+        if quant is not None:
+            codes, row_scales = quant_views(me)
+            variant.update(quant=quant, out_dtype=out_dt, row_scales=row_scales,
+                           quant_scale=torch.ones(1, device=dev) if quant.kind == "static" else None)
         for n, eps in itertools.product((1, rows), epss):
             # 1 row per CTA: the tile loop; `rows` per CTA: one warp per row where it fits
-            k = addnorm.add_rmsnorm_rows(x, recv, residual, bias, weight, scale, normed, res_out[:n], n_valid=n,
+            out = normed if quant is None else codes[:rows].view(quant.dtype)
+            k = addnorm.add_rmsnorm_rows(x, recv, residual, bias, weight, scale, out, res_out[:n], n_valid=n,
                                          eps=eps, mid_dtype=mid, weight_offset=0.0, num_ctas=1, abort=abort,
                                          preload=True, **variant)
             if k is not None:

@@ -115,6 +115,17 @@ def carve(buf: torch.Tensor, world_size: int, capacity: int, hidden: int, dtypes
                      abort=view(o_flags, torch.int32, (1,)))
 
 
+def quant_views(region: CeRegions) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes uint8 [C, H], row scales fp32 [C, 1])`` of an fp8 epilogue, carved from the bytes of
+    ``region.out`` (``[C, H]`` of a 16- or 32-bit output dtype: 2CH bytes or more, and the codes
+    and scales need CH + 4C; C a multiple of 256 keeps the scales 4-byte aligned): the rows a rank
+    quantizes and its peers pull are these, so the workspace's layout is the same with or without
+    the epilogue."""
+    C, H = region.out.shape
+    raw = region.out.view(torch.uint8).reshape(-1)
+    return raw[:C * H].view(C, H), raw[C * H:C * H + 4 * C].view(torch.float32).view(C, 1)
+
+
 def emulated_workspaces(world_size: int, capacity: int, hidden: int, dtypes: tuple,
                         device: Union[str, torch.device] = "cpu", poison: bool = True) -> list[CeWorkspace]:
     """N ranks' workspaces in one process, from ordinary allocations (tests, 1-GPU benchmarks).
