@@ -22,6 +22,11 @@ saving (``gathered_B_per_row``: 2H bf16 against H + 4) needs two GPUs
 normed rows quantized in float64 (``codes_off``: the fraction of codes one step off).
 
 Writes ``fp8.csv`` and ``fp8.png`` (time over ``inductor`` per T). NVLink multicast stays off.
+
+``--real`` (under ``torchrun --nproc-per-node N``): the same three variants on a real NCCL group of
+the N GPUs, every rank timing the same calls in the same order, rank 0 writing ``fp8_<N>gpu.csv``
+and its PNG: the whole op, the fp8 gather's saving included (``benchmarks/check_2gpu.sh`` runs it
+on two GPUs).
 """
 
 from __future__ import annotations
@@ -63,19 +68,22 @@ def _op(x, residual, weight, group_name, quant: bool, sharded: bool):
         residual_in_sharded=sharded, residual_out_sharded=sharded, kernel="nccl", comm_ctas=32, **extra)
 
 
-def runners(T: int, H: int, world: int, group_name: str, dev):
+def runners(T: int, H: int, world: int, group_name: str, dev, rank: int = 0):
     """The three variants' calls on fresh random rows (the residual full for ``inductor``, this
-    rank's shard for the op: an interior site's layout)."""
+    rank's shard for the op: an interior site's layout; every rank draws the same residual, its
+    own partial sums)."""
     import torch.distributed._functional_collectives as fcol
 
     # A fresh compile per point: Dynamo's per-code cache would otherwise reach its recompile limit
     # across the sweep's shapes and run the later points eagerly (what the first GPU run timed).
     torch._dynamo.reset()
     g = torch.Generator(device=dev).manual_seed(T * 7 + H)
-    x = torch.randn(T, H, generator=g, device=dev).to(torch.bfloat16)
-    S = -(-T // world)
     residual_full = torch.randn(T, H, generator=g, device=dev).to(torch.bfloat16)
-    shard = residual_full[:S].contiguous() if S <= T else residual_full
+    x = torch.randn(T, H, generator=torch.Generator(device=dev).manual_seed(T * 7 + H + 1000 * (rank + 1)),
+                    device=dev).to(torch.bfloat16)
+    S = -(-T // world)
+    padded = torch.nn.functional.pad(residual_full, (0, 0, 0, S * world - T))
+    shard = padded[rank * S:(rank + 1) * S].contiguous()
     weight = (1 + 0.1 * torch.randn(H, generator=g, device=dev)).to(torch.bfloat16)
 
     def written(x, residual, weight):
@@ -121,19 +129,26 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--real", action="store_true", help="a real NCCL group of torchrun's ranks (module doc)")
     args = ap.parse_args(argv)
 
-    import fake_group
     import weave_compile.ops  # noqa: F401  (registers the op)
 
     meta = run_meta()
     rows: list[dict] = []
-    path = os.path.join(args.out, "fp8.csv")
-    for world, dev, group_name in fake_group.each_world(int(w) for w in args.world.split(",")):
+    if args.real:
+        worlds, rank = real_world(), int(os.environ.get("RANK", "0"))
+        path = os.path.join(args.out, f"fp8_{os.environ.get('WORLD_SIZE', '1')}gpu.csv")
+    else:
+        import fake_group
+
+        worlds, rank = fake_group.each_world(int(w) for w in args.world.split(",")), 0
+        path = os.path.join(args.out, "fp8.csv")
+    for world, dev, group_name in worlds:
         for dims in args.dims.split(","):
             H = DIMS[dims]
             for T in [int(t) for t in args.tokens.split(",")]:
-                run, inputs = runners(T, H, world, group_name, dev)
+                run, inputs = runners(T, H, world, group_name, dev, rank)
                 off = codes_off(*inputs, group_name)
                 times = {v: [] for v in VARIANTS}
                 for r in range(args.rounds):
@@ -147,15 +162,33 @@ def main(argv=None) -> None:
                        "epilogue_over_inductor": f"{ratio['epilogue']:.3f}",
                        "gathered_B_per_row_bf16": 2 * H, "gathered_B_per_row_fp8": H + 4, "codes_off": f"{off:.2e}"}
                 rows.append(row)
+                if rank:
+                    continue
                 print(f"{dims} N={world} T={T:6d}: inductor {row['us_inductor']} us, op+quant "
                       f"{row['us_op_then_quant']} ({ratio['op_then_quant']:.3f}x), epilogue {row['us_epilogue']} "
                       f"({ratio['epilogue']:.3f}x); gathered {2 * H} -> {H + 4} B/row; codes off {off:.2e}",
                       flush=True)
                 write_csv(path, rows, COLUMNS)
-    plot(rows, path[:-4] + ".png")
+    if not rank:
+        plot(rows, path[:-4] + ".png", "real NCCL group (the whole op)" if args.real else
+             "fake group (local part)")
 
 
-def plot(rows: list[dict], path: str) -> None:
+def real_world():
+    """``(world size, device, group name)`` of the NCCL group of torchrun's ranks, destroyed after."""
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", device_id=dev)
+    try:
+        yield dist.get_world_size(), dev, dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()
+
+
+def plot(rows: list[dict], path: str, what: str = "fake group (local part)") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -172,7 +205,7 @@ def plot(rows: list[dict], path: str) -> None:
     ax.set_xlabel("T (tokens)")
     ax.set_ylabel("time / plain Inductor (add + norm + quant)")
     m = rows[0]
-    ax.set_title(f"fp8 per-row epilogue, one site, fake group (local part): {m['gpu']}, commit {m['git_commit']}",
+    ax.set_title(f"fp8 per-row epilogue, one site, {what}: {m['gpu']}, commit {m['git_commit']}",
                  fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6)

@@ -17,10 +17,15 @@
 #    $HF_TOKENS (default 1024 4096) and decode at batch 1 8 64 256 after 1024 cached tokens.
 #    Writes benchmarks/results/hf_2gpu_<dims>.csv (prefill) and hf_decode_llama_<dims>.csv/.png,
 #    and prints the explain report with the measured table of each graph.
+# 3. The fp8 epilogue (benchmarks/bench_fp8.py --real) at the same dims on the two GPUs' NCCL group:
+#    one site with a per-row fp8 quant, plain Inductor against the op with the quant outside and
+#    the op with its epilogue (the gather moving fp8 codes and row scales), at $FP8_TOKENS (default
+#    16..16384). Writes benchmarks/results/fp8_2gpu.csv and .png.
 #
 # Expected time on 2x H200: ~7 min for step 1 (9 variants x 5 T, each point a compile of a few
-# seconds), ~4 min for step 2. Each step is cut at its own limit ($TIMEOUT_S, default 570 s;
-# $HF_TIMEOUT_S, default 420 s) and keeps every point measured by then. NVLink multicast stays off:
+# seconds), ~4 min for step 2, 1-2 min for step 3 (not yet run on two GPUs). Each step is cut at
+# its own limit ($TIMEOUT_S, default 570 s; $HF_TIMEOUT_S, default 420 s; $FP8_TIMEOUT_S, default
+# 300 s) and keeps every point measured by then. NVLink multicast stays off:
 # both steps run with the variables exported below (benchmarks/common.py sets them too). Exit
 # status: the first failing step's.
 set -uo pipefail
@@ -44,5 +49,11 @@ timeout --signal=INT --kill-after=20 "${HF_TIMEOUT_S:-420}" \
     --csv "benchmarks/results/hf_2gpu_$DIMS_ARG.csv" --decode-out benchmarks/results
 hf_status=$?
 
+timeout --signal=INT --kill-after=20 "${FP8_TIMEOUT_S:-300}" \
+    torchrun --nproc-per-node 2 benchmarks/bench_fp8.py --real --dims "$DIMS_ARG" \
+    --tokens "${FP8_TOKENS:-16,128,1024,4096,16384}" --out benchmarks/results
+fp8_status=$?
+
 [ "$split_status" -ne 0 ] && exit "$split_status"
-exit "$hf_status"
+[ "$hf_status" -ne 0 ] && exit "$hf_status"
+exit "$fp8_status"

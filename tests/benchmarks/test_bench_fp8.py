@@ -32,3 +32,18 @@ def test_the_timed_variants_agree_and_the_check_passes(group, T):  # noqa: F811
     assert torch.equal(res_in, res_out)
     assert torch.allclose(s_in, s_out, rtol=2e-7, atol=0)
     assert (q_in.float() != q_out.float()).float().mean() < 0.01  # one step off on a rounding boundary at most
+
+
+def test_each_rank_times_its_own_residual_shard(group):  # noqa: F811
+    """Under ``--real`` every rank draws the same residual and takes its own rows of it (padded to
+    whole shards), and its own partial sums."""
+    import weave_compile.ops  # noqa: F401
+
+    T, H, world = 5, 16, 2
+    with fake_group.written_collectives():
+        shards = [bench_fp8.runners(T, H, world, group, torch.device("cpu"), rank)[1] for rank in range(world)]
+    x0, s0, _ = shards[0]
+    x1, s1, _ = shards[1]
+    assert s0.shape == s1.shape == (3, H) and not torch.equal(x0, x1)
+    full = torch.randn(T, H, generator=torch.Generator().manual_seed(T * 7 + H)).to(torch.bfloat16)
+    assert torch.equal(torch.cat([s0, s1])[:T], full) and torch.all(s1[2:] == 0)
