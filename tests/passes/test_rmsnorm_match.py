@@ -50,3 +50,14 @@ def test_not_a_norm_over_the_last_dim():
     for f in (over_rows, without_keepdim):
         g = _graph(f, ((T, H), torch.float32))
         assert match_rmsnorm(_placeholder(g, 0)) is None, f.__name__
+
+
+def test_a_scalar_is_no_norm_and_no_error():
+    """A 0-d float (an all-reduced loss or count, say) is answered None, not an IndexError."""
+    def f(s):
+        return s * torch.rsqrt(s * s + 1e-6)
+
+    from weave_compile.passes.layernorm_match import match_norm
+
+    g = _graph(f, ((), torch.float32))
+    assert match_rmsnorm(_placeholder(g, 0)) is None and match_norm(_placeholder(g, 0)) is None

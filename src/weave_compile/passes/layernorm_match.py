@@ -50,7 +50,7 @@ def match_norm(v: fx.Node) -> Optional[NormMatch]:
 def match_layernorm(v: fx.Node) -> Optional[NormMatch]:
     """A LayerNorm over the last dim of ``v`` computed in float32 (module doc), or None."""
     tv = val(v)
-    if tv is None or not tv.is_floating_point():
+    if tv is None or not tv.is_floating_point() or tv.dim() == 0:  # a scalar has no rows to norm
         return None
     hidden, ndim = tv.shape[-1], tv.dim()
     starts = [v] if tv.dtype == torch.float32 else []

@@ -151,7 +151,7 @@ def feeds_layernorm(v: fx.Node) -> bool:
 def match_rmsnorm(v: fx.Node) -> Optional[NormMatch]:
     """An RMSNorm over the last dim of ``v`` computed in float32, or None."""
     tv = val(v)
-    if tv is None or not tv.is_floating_point():
+    if tv is None or not tv.is_floating_point() or tv.dim() == 0:  # a scalar has no rows to norm
         return None
     hidden = tv.shape[-1]
     starts = [v] if tv.dtype == torch.float32 else []
