@@ -16,8 +16,9 @@ architectures cover every site form the passes rewrite: ``llama`` (all_reduce ->
 RMSNorm), ``granite`` (the sum scaled by the residual multiplier), ``gemma2`` (offset weight
 ``(1 + w)``, sandwich norms: all_reduce -> norm -> +residual), ``llama_bias`` (a row-parallel bias
 added after the all_reduce; Qwen2's biases are on q/k/v, column-parallel, so its sites are plain
-ones: ``--archs qwen2`` runs it too) and ``mixtral`` (the experts' all_reduce after their weighted
-sum).
+ones: ``--archs qwen2`` runs it too), ``mixtral`` (the experts' all_reduce after their weighted
+sum) and ``starcoder2`` (LayerNorm: all_reduce -> +bias -> +residual -> ``nn.LayerNorm`` with its
+bias, at Llama's dims; the LayerNorm row of the floor, which judges LayerNorm sites with the rest).
 
 Variants, each timed against ``default`` (plain Inductor, the same model, its all_reduce as
 written) on the same model in the same rounds:
@@ -140,7 +141,7 @@ COLUMNS = ["gpu", "comm", "world_size", "scope", "arch", "dims", "hidden", "laye
            "ms_per_layer", "ratio_vs_default", "spread", "code_vs_default", "ms_per_step", "tokens_equal", "source_hash",
            "compile_s", "note",
            "torch", "triton", "git_commit", "date"]
-ARCHS = ("llama", "granite", "gemma2", "llama_bias", "mixtral")
+ARCHS = ("llama", "granite", "gemma2", "llama_bias", "mixtral", "starcoder2")
 TOKENS = (1, 16, 128, 512, 1024, 4096, 8192, 16384)
 IMPLEMENTATIONS = ("nccl", "reference", "ce")  # forced designs that can run on the fake group
 VARIANTS = ("default",) + IMPLEMENTATIONS + ("auto", "autotune", "fallback")
