@@ -88,14 +88,18 @@ def signature_of(node: fx.Node, site: Site) -> Signature:
 MAX_BESIDE = 8
 #: GEMMs whose output is ``[rows, N]`` (``sibling_linear``: ``[..., N]``) and whose input
 #: (``x``: the first tensor argument, or addmm's second) has ``K`` columns
-_GEMMS = {aten.mm.default: 0, aten.addmm.default: 1, SIBLING_LINEAR: 0}
+_GEMMS = {aten.mm.default: 0, aten.addmm.default: 1, SIBLING_LINEAR: 0, aten._scaled_mm.default: 0}
+#: GEMMs on fp8 operands (an fp8 model's linears): recorded with the kind "fp8", timed as such
+_FP8_GEMMS = (aten._scaled_mm.default,)
 
 
-def gemms_beside(start: fx.Node) -> tuple[tuple[Optional[int], int, int], ...]:
+def gemms_beside(start: fx.Node) -> tuple[tuple, ...]:
     """The GEMMs the split schedule runs while ``start``'s communication is in flight: those
     between the start op and its wait in the graph's order (the other half's compute,
     :mod:`~weave_compile.passes.split_tokens.schedule`), as ``(rows, K, N)``, rows None where
-    symbolic (the timing then takes the half's token count). Empty where no wait follows."""
+    symbolic (the timing then takes the half's token count), and ``(rows, K, N, "fp8")`` for an
+    fp8 GEMM (``torch._scaled_mm``: an fp8 model's linears, about twice a bf16 GEMM's speed on
+    Hopper, so timed as fp8). Empty where no wait follows."""
     wait = next((u for g in start.users for u in g.users if is_call(u, WAIT_OP)), None)
     if wait is None:
         return ()
@@ -106,6 +110,6 @@ def gemms_beside(start: fx.Node) -> tuple[tuple[Optional[int], int, int], ...]:
             shape = val(node).shape
             rows = math.prod(shape[:-1]) if all(isinstance(d, int) for d in shape[:-1]) else None
             k = val(node.args[_GEMMS[node.target]]).shape[-1]
-            out.append((rows, int(k), int(shape[-1])))
+            out.append((rows, int(k), int(shape[-1])) + (("fp8",) if node.target in _FP8_GEMMS else ()))
         node = node.next
     return tuple(out)

@@ -10,6 +10,8 @@ machine, every rank must take the same answer and the outputs must equal eager.
 
 from __future__ import annotations
 
+import operator
+
 import dataclasses
 import random
 
@@ -475,3 +477,48 @@ def test_a_split_halfs_timed_call_runs_the_gemms_beside_it(group):  # noqa: F811
         timing.fused_runner("reference", sig, group, inp)()
     assert mode.shapes == [((6, 16), (16, 24)), ((6, 12), (12, 16))]
     assert timing.make_inputs(sig, 6, 0, torch.device("cpu"), seed=3, all_ranks=True).gemms == ()
+
+
+def test_an_fp8_gemm_beside_a_split_half_is_timed_as_fp8(group):  # noqa: F811
+    """An fp8 model's linears (``torch._scaled_mm``) beside a split half: recorded with their kind
+    and timed as fp8 GEMMs (e4m3fn operands, the second column-major), not as bf16 ones."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from weave_compile.kernels.measured import timing
+    from weave_compile.kernels.measured.signature import Signature
+
+    class Count(TorchDispatchMode):
+        calls: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default):
+                self.calls.append((func.__name__, tuple(args[0].shape), args[0].dtype))
+            return func(*args, **(kwargs or {}))
+
+    sig = Signature(device="cpu", ranks=(0, 1), hidden=16, dtype="float32", residual_in="float32",
+                    residual_dtype="float32", out_dtype="float32", weight="float32", tokens=6, split=True,
+                    beside=((None, 16, 32, "fp8"), (6, 16, 16)))
+    inp = timing.make_inputs(sig, 6, 0, torch.device("cpu"), seed=3, all_ranks=False)
+    a, b, sa, sb = inp.gemms[0]
+    assert a.dtype == b.dtype == torch.float8_e4m3fn and b.shape == (16, 32) and b.stride() == (1, 16)
+    assert a.float().abs().sum() > 0 and sa.dtype == sb.dtype == torch.float32
+    with Count() as mode:
+        timing.fused_runner("reference", sig, group, inp)()
+    assert mode.calls == [("_scaled_mm.default", (6, 16), torch.float8_e4m3fn), ("mm.default", (6, 16), torch.float32)]
+
+
+def test_gemms_beside_records_an_fp8_gemm_with_its_kind():
+    import torch.fx as fx
+
+    from weave_compile.passes.measured_sites import gemms_beside
+    from weave_compile.passes.split_tokens.schedule import START_OP, WAIT_OP
+
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    start = g.call_function(START_OP, (x,))
+    first = g.call_function(operator.getitem, (start, 0))
+    mm = g.call_function(torch.ops.aten._scaled_mm.default, (x, w, x, x))
+    g.call_function(WAIT_OP, (first,))
+    x.meta["val"] = torch.empty(8, 64, dtype=torch.float8_e4m3fn)
+    mm.meta["val"] = torch.empty(8, 128, dtype=torch.bfloat16)
+    assert gemms_beside(start) == ((8, 64, 128, "fp8"),)

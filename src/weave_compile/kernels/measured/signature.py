@@ -73,7 +73,7 @@ class Signature:
     split: bool = False  # one half of a split layer: the op runs beside the other half's compute
     #: of a split half: the GEMMs the other half runs while this half's op communicates (the nodes
     #: between the op's start and its wait), as ``(rows, K, N)``; rows None: the half's token count
-    beside: tuple[tuple[Optional[int], int, int], ...] = ()
+    beside: tuple[tuple, ...] = ()  # (rows, K, N), or (rows, K, N, "fp8"): passes/measured_sites.gemms_beside
     comm_ctas: int = 32
     batch_invariant: bool = False  # the op adds the partial sums in rank order (another reduction)
     out_slot: bool = False  # the op may leave its output in the symmetric output ring

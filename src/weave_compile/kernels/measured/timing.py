@@ -158,14 +158,33 @@ def make_inputs(sig: Signature, num_tokens: int, group_rank: int, device: torch.
     eps_tensor = torch.tensor(EPS, dtype=torch.float32, device=device) if sig.eps_on_device else None
     norm_bias = randn(H, dtype=dtype_of(sig.norm_bias), gen_seed=seed * 64 + 60) if sig.norm_bias else None
     gemms = () if all_ranks else tuple(
-        (randn(num_tokens if m is None else m, k, dtype=dt, gen_seed=seed * 64 + 58 - 2 * i),
-         randn(k, n, dtype=dt, gen_seed=seed * 64 + 57 - 2 * i) * k ** -0.5)
-        for i, (m, k, n) in enumerate(sig.beside))
+        _gemm_operands(num_tokens if g[0] is None else g[0], g[1], g[2], g[3:] == ("fp8",), dt, randn,
+                       seed * 64 + 58 - 2 * i) for i, g in enumerate(sig.beside))
     quant = QuantSpec.decode(sig.quant) if sig.quant else None
     # A static scale that puts the rows' largest values near the format's top (what calibration gives).
     quant_scale = torch.tensor(4.0 / quant.fp8_max, dtype=torch.float32, device=device) \
         if quant is not None and quant.kind == "static" else None
     return Inputs(x, residual_full, residual, bias, weight, scale, eps_tensor, partials, norm_bias, gemms, quant_scale)
+
+
+def _gemm_operands(m: int, k: int, n: int, fp8: bool, dt, randn, seed: int) -> tuple:
+    """One GEMM beside a split half, real random operands: ``(a [m, k], b [k, n])`` for ``torch.mm``;
+    for an fp8 GEMM ``(a, b, scale_a, scale_b)`` for ``torch._scaled_mm`` (e4m3fn, ``b``
+    column-major as it requires, per-tensor fp32 scales)."""
+    if not fp8:
+        return randn(m, k, dtype=dt, gen_seed=seed), randn(k, n, dtype=dt, gen_seed=seed - 1) * k ** -0.5
+    e4m3 = torch.float8_e4m3fn
+    a = randn(m, k, dtype=torch.float32, gen_seed=seed).to(e4m3)
+    b = randn(n, k, dtype=torch.float32, gen_seed=seed - 1).to(e4m3).t()
+    one = torch.ones((), dtype=torch.float32, device=a.device)
+    return a, b, one, one * k ** -0.5
+
+
+def run_gemm(g: tuple) -> torch.Tensor:
+    """One of :func:`_gemm_operands`' GEMMs."""
+    if len(g) == 2:
+        return torch.mm(*g)
+    return torch._scaled_mm(g[0], g[1], g[2], g[3], out_dtype=torch.bfloat16)
 
 
 # ----------------------------------------------------------------------------- the runners
@@ -192,8 +211,8 @@ def fused_runner(design: str, sig: Signature, group_name: str, inp: Inputs) -> C
     def call():
         out = op(inp.x, **kwargs)
         if sig.split:
-            for a, b in inp.gemms:
-                torch.mm(a, b)
+            for g in inp.gemms:
+                run_gemm(g)
             wait(out[0], out[1], [inp.x], out[2])
         return out
 
