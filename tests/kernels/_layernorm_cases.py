@@ -262,9 +262,10 @@ def meta_for(c, world, kind: str, interp: bool):
                                    norm_unroll=1 if base.norm_chunk else base.norm_unroll)
     if kind == "rowwise":
         if interp:
-            return dataclasses.replace(base, block_rows=1, norm_unroll=2, norm_chunk=16, norm_depth=2)
+            return dataclasses.replace(base, block_rows=1, norm_unroll=2, norm_chunk=16, norm_depth=2,
+                                       norm_prefetch=False)
         block_rows = min(base.block_rows, launch.ROWWISE_WARPS)
-        return dataclasses.replace(base, block_rows=block_rows, num_warps=launch.ROWWISE_WARPS,
+        return dataclasses.replace(base, block_rows=block_rows, num_warps=launch.ROWWISE_WARPS, norm_prefetch=False,
                                    norm_unroll=launch.ROWWISE_WARPS // block_rows, norm_chunk=launch.ROWWISE_CHUNK,
                                    norm_depth=launch.PUSH_ROWWISE_DEPTH)
     raise ValueError(f"unknown loop kind {kind!r}")

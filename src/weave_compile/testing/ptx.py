@@ -21,7 +21,7 @@ from weave_compile.kernels.p2p import launch as p2p_launch
 from weave_compile.kernels.p2p.push import push_allreduce_rmsnorm_kernel
 from weave_compile.kernels.shared import common, workspace
 from weave_compile.kernels.shared.probe import check_hidden
-from weave_compile.kernels.shared.shapes import launch_meta
+from weave_compile.kernels.shared.shapes import launch_meta, layernorm_constexprs
 from weave_compile.kernels.shared.symm_call import run_on_workspace
 from weave_compile.kernels.spec import FusedSpec, Rows
 
@@ -109,7 +109,7 @@ def compile_variant_ptx(kernel: str, dtype: torch.dtype, hidden: int,
         consts = dict(p2p_launch.push_constexprs(meta, **flags), PHASES=7, SYNC=True,
                       OUT_IN_REGION=bool(out_in_region), IDX64=common.needs_int64(extent),
                       EPS_PTR=bool(eps_ptr))
-        consts.update(p2p_launch.layernorm_constexprs(norm, None))
+        consts.update(layernorm_constexprs(norm, None))
         if has_norm_bias:
             consts["HAS_NORM_BIAS"] = True
             runtime_sig["NORM_BIAS"] = sig(dtype)

@@ -18,8 +18,8 @@ from typing import Optional
 import torch
 
 from ..shared.common import extent, interpreting, needs_int64, next_pow2, prefetch_fits, prev_pow2, spin_limit
-from ..shared.shapes import (ROWWISE_CHUNK, ROWWISE_WARPS, LaunchMeta, norm_constexprs, rowwise_fits,
-                             warps_and_rows)
+from ..shared.shapes import (ROWWISE_CHUNK, ROWWISE_WARPS, LaunchMeta, layernorm_constexprs, norm_constexprs,
+                             rowwise_fits, warps_and_rows)
 from ..shared.symm_call import contiguous_inputs, kernel_eps, run_on_workspace
 from ..shared.workspace import SymmWorkspace, ring_output
 from ..spec import FusedSpec, Rows
@@ -139,20 +139,6 @@ def push_constexprs(meta: LaunchMeta, **kw) -> dict:
                 PEERS_P2=next_pow2(max(1, int(kw["world_size"]) - 1)))
 
 
-def layernorm_constexprs(norm: str, norm_bias: Optional[torch.Tensor]) -> dict:
-    """The push kernel's LayerNorm keywords: ``IS_LAYERNORM`` for ``norm="layernorm"``, the
-    ``NORM_BIAS`` row and ``HAS_NORM_BIAS`` where there is one. RMSNorm without a norm bias gets
-    none of them, so its kernel (and its binary's cache key) is the one it was."""
-    if norm not in ("rmsnorm", "layernorm"):
-        raise ValueError(f"push kernel: norm must be 'rmsnorm' or 'layernorm', got {norm!r}")
-    kw = {}
-    if norm == "layernorm":
-        kw["IS_LAYERNORM"] = True
-    if norm_bias is not None:
-        kw.update(NORM_BIAS=norm_bias, HAS_NORM_BIAS=True)
-    return kw
-
-
 def launch_push(ws: SymmWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Tensor,
                 residual_out: torch.Tensor, *, num_warps: Optional[int] = None,
                 meta: Optional[LaunchMeta] = None, phases: int = 7, sync: bool = True,
@@ -162,7 +148,7 @@ def launch_push(ws: SymmWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Te
     With ``spec.out_slot >= 0``, ``normed`` must be :func:`.workspace.ring_output` of that slot:
     the kernel leaves the normed rows there (peers push into the same slot) and copies none.
     ``spec.norm`` picks RMSNorm or LayerNorm, ``rows.norm_bias`` (a LayerNorm's bias, [H]) is added
-    after the weight (:func:`layernorm_constexprs`).
+    after the weight (:func:`weave_compile.kernels.shared.shapes.layernorm_constexprs`).
 
     ``meta`` overrides the launch shape; ``phases`` and ``sync`` are the kernel's measurement /
     simulation hooks (see :mod:`.push`); ``compile_only`` compiles without launching (emulated
