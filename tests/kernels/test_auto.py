@@ -527,43 +527,48 @@ def test_without_interference_measurements_the_split_runs_the_gpu_fallback(symm,
 
 
 def test_only_the_implementations_that_take_a_layernorm_are_handed_one(symm, tables):
-    assert {e.name for e in registry.implementations() if e.takes_layernorm} == {"reference", "p2p", "nccl"}
+    assert {e.name for e in registry.implementations() if e.takes_layernorm} == {"reference", "p2p", "oneshot", "nccl"}
     cpu_ln = site(device=torch.device("cpu"), norm="layernorm")
-    for name in ("ce", "oneshot", "multimem"):
+    for name in ("ce", "multimem"):
         why = auto.takes(registry.get(name), cpu_ln)
-        assert why == "LayerNorm site: only reference, p2p, nccl compute a LayerNorm (the others RMSNorm only)", name
+        assert why == ("LayerNorm site: only reference, p2p, oneshot, nccl compute a LayerNorm "
+                       "(the others RMSNorm only)"), name
         assert auto.takes(registry.get(name), site(device=torch.device("cpu"))) is None, name
         # Forced on CPU ranks: the CPU path, which takes it, with the reason for explain().
         kernel, reason = auto.choose(name, cpu_ln)
         assert kernel == "reference" and f"requested {name!r} unavailable: LayerNorm site" in reason, reason
-    for name in ("p2p", "nccl"):  # (their compile-time checks want CUDA)
+    for name in ("p2p", "oneshot", "nccl"):  # (their compile-time checks want CUDA)
         assert auto.takes(registry.get(name), cpu_ln) is None, name
     assert auto.choose("auto", cpu_ln)[0] == "reference"
 
 
-def test_a_layernorm_site_on_a_gpu_gets_p2p_or_nccl_and_the_others_the_floor_rule(symm, tables, ready):
-    """p2p's push kernel and nccl's add+norm kernel compute a LayerNorm on GPUs: p2p forced takes a
-    LayerNorm site as it takes an RMSNorm one, and auto decides one as it would an RMSNorm site; a design
-    that computes RMSNorm only, forced, gets the GPU fallback under the floor rule of any site (as written
-    without a floor measurement, or where plain Inductor measured faster), the LayerNorm named in the
-    reason."""
+def test_a_layernorm_site_on_a_gpu_gets_its_kernels_and_the_others_the_floor_rule(symm, tables, ready):
+    """p2p's push kernel, oneshot's kernel and nccl's add+norm kernel compute a LayerNorm on GPUs: p2p and
+    oneshot forced take a LayerNorm site as they take an RMSNorm one, and auto decides one as it would an
+    RMSNorm site (oneshot below its crossover once ready); a design that computes RMSNorm only, forced,
+    gets the GPU fallback under the floor rule of any site (as written without a floor measurement, or
+    where plain Inductor measured faster), the LayerNorm named in the reason."""
     ready("oneshot")
     ln = site(norm="layernorm", num_tokens=4096, size_hint=4096)
     rms = site(num_tokens=4096, size_hint=4096)
-    assert auto.unavailable(registry.get("nccl"), ln) is None
-    assert auto.unavailable(registry.get("p2p"), ln) is None
-    assert auto.choose("p2p", ln) == auto.choose("p2p", rms) == ("p2p", "requested")
+    for name in ("nccl", "p2p", "oneshot"):
+        assert auto.unavailable(registry.get(name), ln) is None, name
+    for name in ("p2p", "oneshot"):
+        assert auto.choose(name, ln) == auto.choose(name, rms) == (name, "requested")
+    small_ln, small_rms = site(norm="layernorm", num_tokens=16, size_hint=16), site(num_tokens=16, size_hint=16)
+    kernel, reason = auto.choose("auto", small_ln)
+    assert kernel == "oneshot" == auto.choose("auto", small_rms)[0], reason
     kernel, reason = auto.choose("multimem", ln)
     assert kernel == AS_WRITTEN, reason
-    assert "LayerNorm site: only reference, p2p, nccl compute a LayerNorm" in reason
+    assert "LayerNorm site: only reference, p2p, oneshot, nccl compute a LayerNorm" in reason
     assert "no floor measured at world size 2" in reason, reason
     kernel, reason = auto.choose("auto", ln)
     assert kernel == AS_WRITTEN == auto.choose("auto", rms)[0], reason  # nothing measured: as written either way
     tables(FLOOR=FLOOR)
     kernel, reason = auto.choose("multimem", ln)
     assert kernel == "nccl", reason
-    assert reason.startswith("requested 'multimem' unavailable: LayerNorm site: only reference, p2p, nccl") and \
-        "GPU fallback nccl" in reason, reason
+    assert reason.startswith("requested 'multimem' unavailable: LayerNorm site: only reference, p2p, oneshot, nccl") \
+        and "GPU fallback nccl" in reason, reason
     kernel, reason = auto.choose("multimem", site(norm="layernorm", num_tokens=16, size_hint=16))
     assert kernel == AS_WRITTEN and "LayerNorm site" in reason, reason  # the floor: plain Inductor faster there
     kernel, reason = auto.choose("auto", ln)

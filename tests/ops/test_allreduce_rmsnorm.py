@@ -242,7 +242,7 @@ def test_the_symm_kernels_take_no_scale():
                               kernel="p2p", comm_ctas=8, scale=torch.tensor(2.0))
 
 
-@pytest.mark.parametrize("kernel", ["ce", "oneshot", "multimem"])
+@pytest.mark.parametrize("kernel", ["ce", "multimem"])
 def test_the_rmsnorm_only_kernels_take_no_layernorm(kernel):
     with pytest.raises(ValueError, match=f"kernel '{kernel}' computes RMSNorm only"):
         allreduce_add_rmsnorm(torch.randn(2, 8), None, None, None, eps=1e-6, group_name="0",
@@ -253,7 +253,7 @@ def test_the_rmsnorm_only_kernels_take_no_layernorm(kernel):
 
 #: The symmetric-memory kernels that take a LayerNorm (``takes_layernorm``): on CPU tensors they run the
 #: fallback (reference), which must compute it.
-LAYERNORM_SYMM_KERNELS = ("p2p",)
+LAYERNORM_SYMM_KERNELS = ("p2p", "oneshot")
 
 
 def _forced_layernorm(rank, world_size, seed):
