@@ -527,39 +527,49 @@ def test_without_interference_measurements_the_split_runs_the_gpu_fallback(symm,
 
 
 def test_only_the_implementations_that_take_a_layernorm_are_handed_one(symm, tables):
-    assert {e.name for e in registry.implementations() if e.takes_layernorm} == {"reference", "ce", "nccl"}
+    assert {e.name for e in registry.implementations() if e.takes_layernorm} == {"reference", "p2p", "ce", "oneshot", "nccl"}
     cpu_ln = site(device=torch.device("cpu"), norm="layernorm")
-    for name in ("p2p", "oneshot", "multimem"):
+    for name in ("multimem",):
         why = auto.takes(registry.get(name), cpu_ln)
-        assert why == "LayerNorm site: only reference, ce, nccl compute a LayerNorm (the others RMSNorm only)", name
+        assert why == ("LayerNorm site: only reference, p2p, oneshot, ce, nccl compute a LayerNorm "
+                       "(the others RMSNorm only)"), name
         assert auto.takes(registry.get(name), site(device=torch.device("cpu"))) is None, name
         # Forced on CPU ranks: the CPU path, which takes it, with the reason for explain().
         kernel, reason = auto.choose(name, cpu_ln)
         assert kernel == "reference" and f"requested {name!r} unavailable: LayerNorm site" in reason, reason
-    assert auto.takes(registry.get("nccl"), cpu_ln) is None  # (its compile-time check wants CUDA)
+    for name in ("p2p", "oneshot", "nccl"):  # (their compile-time checks want CUDA)
+        assert auto.takes(registry.get(name), cpu_ln) is None, name
     assert auto.choose("auto", cpu_ln)[0] == "reference"
 
 
-def test_a_layernorm_site_on_a_gpu_gets_nccl_where_the_floor_takes_it(symm, tables, ready):
-    """nccl's add+norm kernel computes a LayerNorm on GPUs: a LayerNorm site forced to a design that
-    computes RMSNorm only gets the GPU fallback under the floor rule of any site (as written without a
-    floor measurement, or where plain Inductor measured faster), the LayerNorm named in the reason."""
+def test_a_layernorm_site_on_a_gpu_gets_its_kernels_and_the_others_the_floor_rule(symm, tables, ready):
+    """p2p's push kernel, oneshot's kernel and nccl's add+norm kernel compute a LayerNorm on GPUs: p2p and
+    oneshot forced take a LayerNorm site as they take an RMSNorm one, and auto decides one as it would an
+    RMSNorm site (oneshot below its crossover once ready); a design that computes RMSNorm only, forced,
+    gets the GPU fallback under the floor rule of any site (as written without a floor measurement, or
+    where plain Inductor measured faster), the LayerNorm named in the reason."""
     ready("oneshot")
     ln = site(norm="layernorm", num_tokens=4096, size_hint=4096)
-    assert auto.unavailable(registry.get("nccl"), ln) is None
-    kernel, reason = auto.choose("p2p", ln)
+    rms = site(num_tokens=4096, size_hint=4096)
+    for name in ("nccl", "p2p", "oneshot"):
+        assert auto.unavailable(registry.get(name), ln) is None, name
+    for name in ("p2p", "oneshot"):
+        assert auto.choose(name, ln) == auto.choose(name, rms) == (name, "requested")
+    small_ln, small_rms = site(norm="layernorm", num_tokens=16, size_hint=16), site(num_tokens=16, size_hint=16)
+    kernel, reason = auto.choose("auto", small_ln)
+    assert kernel == "oneshot" == auto.choose("auto", small_rms)[0], reason
+    kernel, reason = auto.choose("multimem", ln)
     assert kernel == AS_WRITTEN, reason
-    assert "LayerNorm site: only reference, ce, nccl compute a LayerNorm" in reason
+    assert "LayerNorm site: only reference, p2p, oneshot, ce, nccl compute a LayerNorm" in reason
     assert "no floor measured at world size 2" in reason, reason
     kernel, reason = auto.choose("auto", ln)
-    # ce takes a LayerNorm and can run: auto's reason is its table's (nothing measured), not the norm's
-    assert kernel == AS_WRITTEN and "nothing measured" in reason and "no floor measured" in reason, reason
+    assert kernel == AS_WRITTEN == auto.choose("auto", rms)[0], reason  # nothing measured: as written either way
     tables(FLOOR=FLOOR)
-    kernel, reason = auto.choose("p2p", ln)
+    kernel, reason = auto.choose("multimem", ln)
     assert kernel == "nccl", reason
-    assert reason.startswith("requested 'p2p' unavailable: LayerNorm site: only reference, ce, nccl") and \
-        "GPU fallback nccl" in reason, reason
-    kernel, reason = auto.choose("p2p", site(norm="layernorm", num_tokens=16, size_hint=16))
+    assert reason.startswith("requested 'multimem' unavailable: LayerNorm site: only reference, p2p, oneshot, ce, nccl") \
+        and "GPU fallback nccl" in reason, reason
+    kernel, reason = auto.choose("multimem", site(norm="layernorm", num_tokens=16, size_hint=16))
     assert kernel == AS_WRITTEN and "LayerNorm site" in reason, reason  # the floor: plain Inductor faster there
     kernel, reason = auto.choose("auto", ln)
-    assert kernel == "nccl" and "nothing measured" in reason and "GPU fallback nccl" in reason, reason
+    assert kernel == "nccl" == auto.choose("auto", rms)[0] and "GPU fallback nccl" in reason, reason

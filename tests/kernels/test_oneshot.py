@@ -23,6 +23,7 @@ from weave_compile.kernels.spec import FusedSpec, Rows
 from weave_compile.kernels.reference import allreduce_add_rmsnorm_ref
 from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
 
+from . import _layernorm_cases as lc
 from ._symm_cases import DTYPES as DT
 from ._symm_cases import EPS_TENSOR_VALUE, shard_rows, stub_workspace_allocation
 
@@ -275,6 +276,134 @@ def test_oneshot_in_cpu_interpreter(world, tmp_path, monkeypatch, seed):
         assert not fails, f"rank {rank}: " + "; ".join(fails)
 
 
+# ----------------------------------------------------------------------------- LayerNorm (interpreter)
+
+#: Per workspace: (H, dtype, residual input dtype, LayerNorm calls, ``_layernorm_cases`` cases) back to
+#: back on one workspace (slots rotate past 3), an RMSNorm with a norm bias (HAS_NORM_BIAS alone) among them.
+LN_GROUPS = [
+    (40, "bf16", "bf16", [lc.ln_case(7, 40, bias=True, ctas=3, seed=1),  # weight, norm bias, pre-norm bias
+                          lc.ln_case(13, 40, res="shard_both", weight=False, seed=2),  # norm bias alone
+                          lc.ln_case(5, 40, res="shard_in", norm_bias=False, mid="bf16", woff=1.0, eps_tensor=True,
+                                     seed=3),  # weight alone (Gemma's 1 + w), a mid dtype, eps from a tensor
+                          lc.ln_case(1, 40, res="shard_out", weight=False, norm_bias=False, seed=4),  # T < ranks
+                          lc.ln_case(11, 40, res="first", norm="rmsnorm", offset=0.0, seed=5),
+                          lc.ln_case(9, 40, res="none", ctas=1, seed=6)]),
+    (40, "fp32", "fp32", [lc.ln_case(9, 40, "fp32", res="shard_both", seed=7),
+                          lc.ln_case(6, 40, "fp32", out_dtype="bf16", weight=False, seed=8),
+                          lc.ln_case(10, 40, "fp32", res="shard_out", norm_bias=False, eps_tensor=True, seed=9)]),
+    (48, "bf16", "fp32", [lc.ln_case(9, 48, res_dtype="fp32", res="shard_both", ctas=2, seed=10),
+                          lc.ln_case(4, 48, res_dtype="fp32", res="shard_in", bias=True, seed=11)]),
+]
+
+
+def _ln_sim_rank(rank, world, files, groups, seed):
+    """This rank's outputs of every LayerNorm call of ``groups`` (their checks need every rank's)."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    results = []
+    for gi, (H, dts, rdts, calls) in enumerate(groups):
+        dt, rdt = DT[dts], DT[rdts]
+        cap = _capacity(calls, world)
+        lay = oneshot_ws.layout(cap, world, H, dt, rdt)
+        bufs = [torch.from_file(files[gi][p], shared=True, size=lay.total, dtype=torch.uint8) for p in range(world)]
+        ws = oneshot_ws.workspace_from_buffers(bufs, rank, hidden=H, in_dtype=dt, res_dtype=rdt, capacity=cap)
+        dist.barrier()  # every rank's buffer is poisoned before anyone pushes
+        outs = []
+        for c0 in calls:
+            c = dict(c0, seed=seed + 1000 * gi + c0["seed"])
+            xs, residual, bias, weight, nb = lc.make_inputs(c, world, "cpu")
+            normed, res_out = lc.poisoned_outputs(c, world, "cpu")[rank]
+            res_in = lc.rank_residual(c, world, rank, residual)
+            if res_in is not None and lc.sharding(c)[0]:  # a shard's rows past T must never be read
+                res_in[max(0, min(res_in.shape[0], c["T"] - rank * res_in.shape[0])):] = float("nan")
+            kw = lc.spec_kwargs(c, "cpu")
+            eps_t = kw.pop("eps_tensor", None)
+            _, c_rdt, c_odt = lc.dtypes(c)
+            spec = FusedSpec(residual_dtype=c_rdt, out_dtype=c_odt, comm_ctas=c["ctas"], **kw)
+            oneshot_kernel.launch(ws, Rows(xs[rank], res_in, bias, weight, eps_tensor=eps_t, norm_bias=nb), spec,
+                                  normed, res_out)
+            outs.append((normed, res_out))
+        dist.barrier()
+        results.append((outs, ws.timeouts(), ws.state.tolist()))
+    return results
+
+
+def _run_ln_groups(world, groups, seed, tmp_dir) -> list[str]:
+    """Every call of ``groups`` on ``world`` interpreter ranks (one process each, buffers in shared files
+    under ``tmp_dir``), checked by ``_layernorm_cases.check``: what is wrong (empty: correct)."""
+    files = []
+    for gi, (H, dts, rdts, calls) in enumerate(groups):
+        total = oneshot_ws.layout(_capacity(calls, world), world, H, DT[dts], DT[rdts]).total
+        paths = []
+        for p in range(world):
+            path = os.path.join(tmp_dir, f"ln{gi}_r{p}.bin")
+            with open(path, "wb") as f:
+                f.truncate(total)
+            paths.append(path)
+        files.append(paths)
+    per_rank = assert_ranks_ok(run_ranks(_ln_sim_rank, world, args=(files, groups, seed), timeout=600))
+    errs = []
+    for gi, (_, _, _, calls) in enumerate(groups):
+        for ci, c0 in enumerate(calls):
+            c = dict(c0, seed=seed + 1000 * gi + c0["seed"])
+            outs = [per_rank[r][gi][0][ci] for r in range(world)]
+            errs += [f"group {gi} call {ci} {lc.case_name(c)}: {e}"
+                     for e in lc.check(c, world, outs, lc.make_inputs(c, world, "cpu"))]
+        for r in range(world):
+            _, timeouts, state = per_rank[r][gi]
+            if timeouts or state[0] != len(calls) or state[1] != 0:
+                errs.append(f"group {gi} rank {r}: {timeouts} spin-limit trips, state {state} after {len(calls)} calls")
+    return errs
+
+
+@requires_triton
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_oneshot_layernorm_in_cpu_interpreter(world, tmp_path, monkeypatch, seed):
+    """The LayerNorm variant (IS_LAYERNORM, HAS_NORM_BIAS) on fresh rows with a common offset on x, outputs
+    NaN-poisoned, against the float64 oracle's LayerNorm of the kernel's own residual (which RMSNorm would
+    fail); every rank's normed rows bit-identical."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("WEAVE_SYMM_SPIN_LIMIT", str(1 << 16))  # a lost row fails instead of hanging
+    errs = _run_ln_groups(world, LN_GROUPS, seed % 10**6, str(tmp_path))
+    assert not errs, "\n".join(errs)
+
+
+@requires_triton
+def test_oneshot_layernorm_property_in_cpu_interpreter(monkeypatch):
+    """Drawn sequences of calls on one workspace: ranks (2, 3), H, dtypes, T (1..12, changing between calls,
+    so slots of one size are re-poisoned before another), residual forms, weight, norm bias, bias, mid
+    dtype, CTAs, eps from a tensor, RMSNorm or LayerNorm. Each example spawns its ranks: a few examples."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+    import shutil
+    import tempfile
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("WEAVE_SYMM_SPIN_LIMIT", str(1 << 16))
+    call = st.fixed_dictionaries(dict(
+        T=st.integers(1, 12), res=st.sampled_from(["full", "shard_both", "shard_in", "shard_out", "none", "first"]),
+        weight=st.booleans(), norm_bias=st.booleans(), bias=st.booleans(), mid=st.sampled_from([None, "bf16"]),
+        ctas=st.integers(1, 4), eps_tensor=st.booleans(), norm=st.sampled_from(["layernorm", "layernorm", "rmsnorm"])))
+
+    @hypothesis.settings(max_examples=3, deadline=None, database=None)
+    @hypothesis.given(world=st.integers(2, 3), H=st.sampled_from([8, 24, 40, 64]),
+                      dts=st.sampled_from([("bf16", "bf16"), ("fp32", "fp32"), ("bf16", "fp32")]),
+                      calls=st.lists(call, min_size=2, max_size=5), seed=st.integers(0, 10**6))
+    def prop(world, H, dts, calls, seed):
+        cases = [lc.ln_case(k["T"], H, dts[0], res_dtype=dts[1], seed=i, **{n: v for n, v in k.items() if n != "T"})
+                 for i, k in enumerate(calls)]
+        tmp = tempfile.mkdtemp(prefix="oneshot_ln_")
+        try:
+            errs = _run_ln_groups(world, [(H, dts[0], dts[1], cases)], seed, tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        assert not errs, "\n".join(errs)
+
+    prop()
+
+
 def test_oneshot_op_falls_back_to_reference_on_cpu_tensors():
     """kernel="oneshot" on CPU tensors runs the reference (checked on 2 gloo ranks)."""
     results = run_ranks(_op_rank, 2, timeout=120)
@@ -298,15 +427,21 @@ def _op_rank(rank, world):
 # ----------------------------------------------------------------------------- compiles for sm_90
 
 
-def _compile_sm90(dtype, rdt, *, sharded: bool, eps_ptr: bool = False):
+def _compile_sm90(dtype, rdt, *, sharded: bool, eps_ptr: bool = False, hidden: int = 4096, norm: str = "rmsnorm",
+                  norm_bias: bool = False, mid: bool = False, rows: int = 256):
+    """The kernel's PTX for sm_90 at the launcher's shape for ``rows`` padded rows of ``hidden`` on 32 CTAs, 2
+    ranks, with a bias, weight and residual (``sharded``: pushed by their owners); ``norm`` and
+    ``norm_bias``: the LayerNorm variant's keywords as the launcher passes them (none for RMSNorm);
+    ``mid``: a bf16 mid dtype."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     import triton
 
     from weave_compile.kernels.shared.common import sig_dtype as _sig_dtype, tl_dtype as _tl_dtype
+    from weave_compile.kernels.shared.shapes import layernorm_constexprs
 
     fn = oneshot_kernel._oneshot_allreduce_rmsnorm_kernel
-    meta = oneshot_kernel.launch_meta(4096, 256, 32)
+    meta = oneshot_kernel.launch_meta(hidden, rows, 32)
     ptr = {"PTR_TABLE": "*i64", "STATE": "*i32", "X": _sig_dtype(dtype), "RESIDUAL": _sig_dtype(rdt),
            "BIAS": _sig_dtype(dtype), "WEIGHT": _sig_dtype(dtype), "NORMED": _sig_dtype(dtype),
            "RESIDUAL_OUT": _sig_dtype(rdt)}
@@ -314,13 +449,19 @@ def _compile_sm90(dtype, rdt, *, sharded: bool, eps_ptr: bool = False):
             "stride_res_out_row")
     runtime = {**ptr, **{n: "i32" for n in ints}, "slot_bytes": "i64", "src_bytes": "i64", "res_off": "i64",
                "eps": "*fp64" if eps_ptr else "fp32", "weight_offset": "fp32"}
-    consts = dict(WORLD_SIZE=2, HIDDEN=4096, BLOCK_H=meta.block_h, BLOCK_ROWS=meta.block_rows,
+    consts = dict(WORLD_SIZE=2, HIDDEN=hidden, BLOCK_H=meta.block_h, BLOCK_ROWS=meta.block_rows,
                   IN_DTYPE=_tl_dtype(dtype), IN_BITS=oneshot_kernel._tl_int(dtype), IN_SENT=oneshot_ws.SENTINEL[dtype],
                   RIN_DTYPE=_tl_dtype(rdt), RIN_BITS=oneshot_kernel._tl_int(rdt), RIN_SENT=oneshot_ws.SENTINEL[rdt],
-                  OUT_DTYPE=_tl_dtype(dtype), RES_DTYPE=_tl_dtype(rdt), MID_DTYPE=_tl_dtype(torch.float32),
-                  HAS_BIAS=True, HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_MID=False,
+                  OUT_DTYPE=_tl_dtype(dtype), RES_DTYPE=_tl_dtype(rdt),
+                  MID_DTYPE=_tl_dtype(torch.bfloat16 if mid else torch.float32),
+                  HAS_BIAS=True, HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_MID=mid,
                   RESIDUAL_IN_SHARDED=sharded, RESIDUAL_OUT_SHARDED=sharded, PUSH_RES=sharded, SPIN_LIMIT=0,
                   EPS_PTR=eps_ptr)
+    consts.update(layernorm_constexprs(norm, None))
+    if norm_bias:
+        consts["HAS_NORM_BIAS"] = True
+        ptr["NORM_BIAS"] = _sig_dtype(dtype)
+        runtime["NORM_BIAS"] = ptr["NORM_BIAS"]
     signature = {n: runtime.get(n, "constexpr") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ptr}
     src = ASTSource(fn, signature, constexprs=consts, attrs=attrs)
@@ -339,6 +480,64 @@ def test_compiles_for_sm90_with_volatile_waits_and_no_multimem(dtype, rdt, shard
     assert "ld.volatile" in ptx  # the waits read memory, not a cached line
     assert "multimem" not in ptx
     assert ("cvt.rn.f32.f64" in ptx) == eps_ptr
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype,rdt,sharded,norm_bias", [(torch.bfloat16, torch.bfloat16, True, True),
+                                                         (torch.bfloat16, torch.bfloat16, False, False),
+                                                         (torch.float32, torch.float32, False, True)])
+def test_layernorm_compiles_for_sm90_with_volatile_waits(dtype, rdt, sharded, norm_bias):
+    """The LayerNorm variant compiles for sm_90 (Triton and its ptxas) at a decode shape (32 padded rows) as
+    the RMSNorm kernel does, and its keywords reach the kernel: other code than RMSNorm's, the norm bias
+    one more pointer parameter."""
+    import re
+
+    rms = _compile_sm90(dtype, rdt, sharded=sharded, rows=32)
+    ln = _compile_sm90(dtype, rdt, sharded=sharded, rows=32, norm="layernorm", norm_bias=norm_bias)
+    assert "ld.volatile" in ln and "multimem" not in ln
+    params = [len(re.findall(r"^\s*\.param\b", p, re.M)) for p in (rms, ln)]
+    assert params[1] == params[0] + norm_bias and ln != rms, params
+
+
+@requires_triton
+def test_the_launcher_passes_the_layernorm_keywords_only_for_a_layernorm_or_a_norm_bias(monkeypatch):
+    """RMSNorm without a norm bias launches with none of the variant's keywords (its kernel and binary are
+    the ones they were); ``norm="layernorm"`` sets IS_LAYERNORM, a norm bias NORM_BIAS and HAS_NORM_BIAS,
+    also through ``oneshot_allreduce_rmsnorm``, which copies the rows first. The kernel is stubbed."""
+    seen = []
+
+    class _Stub:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append(kw)
+
+    monkeypatch.setattr(oneshot_kernel, "_oneshot_allreduce_rmsnorm_kernel", _Stub())
+    H, T, bf = 64, 6, torch.bfloat16
+    lay = oneshot_ws.layout(8, 2, H, bf, bf)
+    ws = oneshot_ws.workspace_from_buffers([torch.zeros(lay.total, dtype=torch.uint8) for _ in range(2)], 0,
+                                           hidden=H, in_dtype=bf, res_dtype=bf, capacity=8)
+    x = torch.randn(T, H).to(bf)
+
+    def keywords(norm="rmsnorm", nb=None, whole_op=False):
+        spec = FusedSpec(residual_dtype=bf, out_dtype=bf, comm_ctas=2, norm=norm)
+        if whole_op:
+            oneshot_kernel.oneshot_allreduce_rmsnorm(Rows(torch.randn(T, 2 * H).to(bf)[:, ::2], norm_bias=nb), spec,
+                                                     workspace=ws)
+        else:
+            oneshot_kernel.launch(ws, Rows(x, norm_bias=nb), spec, torch.empty(T, H, dtype=bf),
+                                  torch.empty(T, H, dtype=bf))
+        return seen.pop()
+
+    variant = {"NORM_BIAS", "IS_LAYERNORM", "HAS_NORM_BIAS"}
+    assert not variant & set(keywords())
+    kw = keywords("layernorm")
+    assert kw["IS_LAYERNORM"] is True and not {"NORM_BIAS", "HAS_NORM_BIAS"} & set(kw)
+    nb = torch.randn(H).to(bf)
+    for norm, whole_op in (("layernorm", False), ("layernorm", True), ("rmsnorm", False)):
+        kw = keywords(norm, nb, whole_op)
+        assert kw["HAS_NORM_BIAS"] is True and kw["NORM_BIAS"].data_ptr() == nb.data_ptr(), (norm, whole_op)
+        assert kw.get("IS_LAYERNORM", False) == (norm == "layernorm")
+    with pytest.raises(ValueError, match="norm_bias must have 64 elements"):
+        keywords("layernorm", torch.randn(H + 8).to(bf))
 
 
 # ----------------------------------------------------------------------------- selection (explain's pick and reason)

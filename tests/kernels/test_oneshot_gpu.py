@@ -5,6 +5,7 @@ process: every rank's buffer is an ordinary allocation, every rank's pointer tab
 them, and every rank's launch goes on its own stream (the grids, at most 3 x 32 CTAs, are
 co-resident on an H200). Outputs are poisoned with NaN before every call and compared with the
 float64 reference. ``WEAVE_SYMM_SPIN_LIMIT`` turns a lost row into a counted failure, not a hang.
+The LayerNorm variant runs here too, at 2 and 3 ranks (its CPU interpreter test: test_oneshot.py).
 A last test (2 GPUs, skipped here) runs the real symmetric-memory path through the fused op.
 
 (A minimal harness local to this file: the generic one, ``weave_compile.testing.emulated_ranks``,
@@ -18,9 +19,12 @@ import math
 import pytest
 import torch
 
+from tests.kernels import _layernorm_cases as lc
 from tests.kernels.test_oneshot import (
     TOL, case, dtypes, expected, flags, launch_rank, make_inputs, mismatches, poisoned_outputs, rank_args)
+from weave_compile.kernels.oneshot import kernel as oneshot_kernel
 from weave_compile.kernels.oneshot import workspace as oneshot_ws
+from weave_compile.kernels.spec import FusedSpec, Rows
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
@@ -49,12 +53,17 @@ class EmulatedRanks:
 
     def call(self, c, per_rank):
         """``per_rank[r] = (x, res_in, bias, weight, normed, res_out)``; all ranks' launches at once."""
+        self.run(lambda r, ws: launch_rank(ws, c, *per_rank[r]))
+
+    def run(self, launch):
+        """``launch(rank, workspace)`` for every rank, each on its own stream, all enqueued before any is
+        awaited; the current stream waits for all of them."""
         cur = torch.cuda.current_stream()
         for r, s in enumerate(self.streams):
             s.wait_stream(cur)
         for r, s in enumerate(self.streams):
             with torch.cuda.stream(s):
-                launch_rank(self.ws[r], c, *per_rank[r])
+                launch(r, self.ws[r])
         for s in self.streams:
             cur.wait_stream(s)
 
@@ -183,6 +192,46 @@ def test_cuda_graph_replay_with_new_data(world, seed):
         errs += [f"replay {rep}: {e}" for e in _check(new, world, per_rank, new_inputs)]
         assert int(em.ws[0].state[0]) == calls
     em.check_state(calls)
+    assert not errs, "\n".join(errs)
+
+
+def _ln_calls(H, dtype, rdt, seed):
+    """LayerNorm calls on one workspace: T in (1, 3, 64, 257), every residual layout, weight, norm bias,
+    pre-norm bias, mid dtype, Gemma's offset and eps from a tensor rotating; an RMSNorm with a norm bias."""
+    options = [dict(res="full", bias=True), dict(res="shard_both", weight=False),
+               dict(res="shard_in", norm_bias=False, mid="bf16", woff=1.0), dict(res="shard_out", eps_tensor=True),
+               dict(res="none", weight=False, norm_bias=False), dict(res="first")]
+    calls = [lc.ln_case(T, H, dtype, res_dtype=rdt, ctas=32, seed=seed + 10 * i + j, **options[(i + j) % 6])
+             for i, T in enumerate((1, 3, 64, 257)) for j in range(3)]
+    return calls + [lc.ln_case(64, H, dtype, res_dtype=rdt, ctas=32, norm="rmsnorm", offset=0.0, seed=seed + 99)]
+
+
+@pytest.mark.parametrize("world,H,dtype,rdt", [(2, 2048, "bf16", None), (2, 4096, "bf16", None),
+                                               (2, 8192, "bf16", None), (3, 4096, "bf16", None),
+                                               (2, 4096, "fp32", None), (3, 5120, "bf16", "fp32")])
+def test_layernorm_matrix_back_to_back(world, H, dtype, rdt, seed):
+    """The LayerNorm variant (IS_LAYERNORM, HAS_NORM_BIAS) on concurrent emulated ranks, every call on one
+    workspace: fresh rows with a common offset, outputs NaN-poisoned, the float64 oracle's LayerNorm of the
+    kernel's own residual (``tests/kernels/_layernorm_cases.check``: RMSNorm would fail it), every rank's
+    normed rows bit-identical."""
+    calls = _ln_calls(H, dtype, rdt, seed % 10**6)
+    dt, rd, _ = lc.dtypes(calls[0])
+    em = EmulatedRanks(world, H, dt, rd, capacity=math.ceil(257 / world) * world)
+    errs = []
+    for c in calls:
+        inputs = lc.make_inputs(c, world, DEV)
+        xs, residual, bias, weight, nb = inputs
+        outs = lc.poisoned_outputs(c, world, DEV)
+        kw = lc.spec_kwargs(c, DEV)
+        eps_t = kw.pop("eps_tensor", None)
+        _, c_rdt, c_odt = lc.dtypes(c)
+        spec = FusedSpec(residual_dtype=c_rdt, out_dtype=c_odt, comm_ctas=c["ctas"], **kw)
+        em.run(lambda r, ws: oneshot_kernel.launch(
+            ws, Rows(xs[r], lc.rank_residual(c, world, r, residual), bias, weight, eps_tensor=eps_t, norm_bias=nb),
+            spec, *outs[r]))
+        torch.cuda.synchronize()
+        errs += [f"{lc.case_name(c)}: {e}" for e in lc.check(c, world, outs, inputs)]
+    em.check_state(len(calls))
     assert not errs, "\n".join(errs)
 
 

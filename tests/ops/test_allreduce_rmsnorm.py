@@ -242,10 +242,46 @@ def test_the_symm_kernels_take_no_scale():
                               kernel="p2p", comm_ctas=8, scale=torch.tensor(2.0))
 
 
-@pytest.mark.parametrize("kernel", ["p2p", "oneshot", "multimem"])
+@pytest.mark.parametrize("kernel", ["multimem"])
 def test_the_rmsnorm_only_kernels_take_no_layernorm(kernel):
     with pytest.raises(ValueError, match=f"kernel '{kernel}' computes RMSNorm only"):
         allreduce_add_rmsnorm(torch.randn(2, 8), None, None, None, eps=1e-6, group_name="0",
                               residual_dtype=torch.float32, out_dtype=torch.float32, mid_dtype=None,
                               weight_offset=0.0, residual_in_sharded=False, residual_out_sharded=False,
                               kernel=kernel, comm_ctas=8, norm="layernorm")
+
+
+#: The symmetric-memory kernels that take a LayerNorm (``takes_layernorm``): on CPU tensors they run the
+#: fallback (reference), which must compute it.
+LAYERNORM_SYMM_KERNELS = ("p2p", "oneshot")
+
+
+def _forced_layernorm(rank, world_size, seed):
+    g = torch.Generator().manual_seed(seed)
+    T, H = 5, 16  # T not divisible by the ranks
+    partials = [torch.randn(T, H, generator=g) + 3 for _ in range(world_size)]  # a mean the LayerNorm removes
+    residual = torch.randn(T, H, generator=g)
+    weight, norm_bias = 1 + torch.randn(H, generator=g), torch.randn(H, generator=g)
+    return {kernel: allreduce_add_rmsnorm(
+        partials[rank], residual, None, weight, eps=1e-5, group_name="0", residual_dtype=torch.float32,
+        out_dtype=torch.float32, mid_dtype=None, weight_offset=0.0, residual_in_sharded=False,
+        residual_out_sharded=False, kernel=kernel, comm_ctas=8, norm="layernorm", norm_bias=norm_bias)[:2]
+        for kernel in LAYERNORM_SYMM_KERNELS}, (partials, residual, weight, norm_bias)
+
+
+def test_the_layernorm_symm_kernels_take_it_and_run_the_fallback_on_cpu_ranks():
+    """A LayerNorm forced to a symmetric-memory kernel that takes it is not refused; on CPU tensors (2 gloo
+    ranks) the op runs the fallback, whose LayerNorm matches the float64 oracle (and not its RMSNorm)."""
+    import random
+
+    seed = random.randrange(2**31)
+    results = assert_ranks_ok(run_ranks(_forced_layernorm, WORLD, args=(seed,), timeout=240))
+    (_, (partials, residual, weight, norm_bias)) = results[0]
+    want, want_res = allreduce_add_rmsnorm_ref(partials, residual, None, weight, eps=1e-5, norm="layernorm",
+                                               norm_bias=norm_bias)
+    rms, _ = allreduce_add_rmsnorm_ref(partials, residual, None, weight, eps=1e-5, norm_bias=norm_bias)
+    for rank, (outs, _) in enumerate(results):
+        for kernel, (normed, res) in outs.items():
+            where = f"seed={seed} rank={rank} {kernel}"
+            assert rel_err(normed, want) < REL_TOL[torch.float32] < rel_err(normed, rms), where
+            assert rel_err(res, want_res) < REL_TOL[torch.float32], where

@@ -421,10 +421,13 @@ def _layernorm_sites(rank, world_size, seed, compiler, forms):
         tokens = torch.randint(0, d.vocab, (2, 9))
         out[norm, bias, dtype] = _compile_and_compare(model, [(tokens,)], compiler)
     if compiler == "aot_eager":
-        # A kernel that computes RMSNorm only, forced: the CPU path instead, and explain() says why.
+        # A kernel that computes RMSNorm only, forced: the CPU path instead, and explain() says why; one
+        # that computes a LayerNorm (p2p) is not refused for it (on CPU ranks: for the CPU tensors).
         d = LlamaDims(norm="layernorm", bias=True, layers=1)
         model = TPLlama(d, tp=world_size, rank=rank, group=dist.group.WORLD, seed=seed)
-        out["forced p2p"] = _compile_and_compare(model, [(torch.randint(0, d.vocab, (1, 7)),)], compiler, kernel="p2p")
+        for kernel in ("ce", "p2p"):
+            out[f"forced {kernel}"] = _compile_and_compare(model, [(torch.randint(0, d.vocab, (1, 7)),)], compiler,
+                                                           kernel=kernel)
         torch.manual_seed(seed)
         mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
         x, res = torch.randn(5, 32), torch.randn(5, 32)
@@ -449,9 +452,13 @@ def test_layernorm_sites_fused_and_equal_eager_megatron_funcol_dtensor(seed):
     results = assert_ranks_ok(run_ranks(_layernorm_sites, WORLD, args=(seed, "aot_eager", LN_FORMS), timeout=400))
     _assert_layernorm_sites(results, LN_FORMS)
     for r in results:
+        forced = r["forced ce"]
+        assert forced["matched"] == 3 and forced["errs"][0] < 1e-5, forced["text"]
+        text = " ".join(forced["text"].split())  # explain() wraps long reasons
+        assert "requested 'ce' unavailable: cpu tensors" in text and "LayerNorm site" not in text, forced["text"]
         forced = r["forced p2p"]
         assert forced["matched"] == 3 and forced["errs"][0] < 1e-5, forced["text"]
-        assert "requested 'p2p' unavailable: LayerNorm site: only reference, ce, nccl compute a LayerNorm" in forced["text"]
+        assert "requested 'p2p' unavailable: cpu tensors" in forced["text"] and "LayerNorm site" not in forced["text"]
         for via in ("funcol", "dtensor"):
             assert r[via]["matched"] == 1, r[via]["text"]
             assert "-> layernorm *w +b in fp32" in r[via]["sites"][0][1], r[via]["text"]

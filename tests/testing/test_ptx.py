@@ -150,3 +150,37 @@ def test_default_push_shapes_do_not_spill(world, hidden, dtype, ring):
     ptx = compile_variant_ptx("push", dtype, hidden, world_size=world, out_in_region=ring,
                               rows_per_rank=(1 << 20) // world, comm_ctas=8)
     assert all(s == (0, 0) for s in _ptxas_spills(ptx))
+
+
+@requires_triton
+@pytest.mark.parametrize("world,hidden,dtype,ring,full", [
+    (2, 2048, torch.bfloat16, True, True), (2, 4096, torch.bfloat16, False, True),
+    (2, 4096, torch.bfloat16, False, False), (2, 4096, torch.bfloat16, True, True),
+    (2, 5120, torch.bfloat16, False, True), (2, 8192, torch.bfloat16, False, True),
+    (3, 4096, torch.bfloat16, True, True), (8, 4096, torch.bfloat16, False, True),
+    (2, 4096, torch.float32, False, True)])
+def test_default_push_shapes_do_not_spill_with_layernorm(world, hidden, dtype, ring, full):
+    """The LayerNorm variant (IS_LAYERNORM: a second pass over the row held in registers; HAS_NORM_BIAS:
+    one more parameter row) at the launcher's default shapes, which were chosen for RMSNorm (one warp per
+    row at 2 ranks and H <= 4096 with its chunks 7 ahead, the prefetched tile elsewhere): ptxas fits them
+    without spilling. ``full``: with the norm bias, a mid dtype and sharded residuals on top of the bias,
+    weight and residual (the most registers); else the LayerNorm alone."""
+    extra = dict(has_norm_bias=True, mid_dtype=torch.bfloat16, residual_in_sharded=True,
+                 residual_out_sharded=True) if full else {}
+    ptx = compile_variant_ptx("push", dtype, hidden, world_size=world, out_in_region=ring,
+                              rows_per_rank=(1 << 20) // world, comm_ctas=8, norm="layernorm", **extra)
+    assert all(s == (0, 0) for s in _ptxas_spills(ptx))
+
+
+@requires_triton
+def test_push_layernorm_variant_compiles_only_where_asked():
+    """The keywords reach the kernel: the LayerNorm compiles to other code than the RMSNorm with the same
+    parameters, a norm bias adds one pointer parameter; the pull kernel has no such variant."""
+    rms = compile_variant_ptx("push", torch.bfloat16, 8192)
+    ln = compile_variant_ptx("push", torch.bfloat16, 8192, norm="layernorm")
+    ln_nb = compile_variant_ptx("push", torch.bfloat16, 8192, norm="layernorm", has_norm_bias=True)
+    params = [len(re.findall(r"^\s*\.param\b", p, re.M)) for p in (rms, ln, ln_nb)]
+    assert params[0] == params[1] and params[2] == params[1] + 1, params
+    assert rms != ln and ln != ln_nb
+    with pytest.raises(ValueError, match="only the push kernel"):
+        compile_variant_ptx("pull", torch.bfloat16, 4096, norm="layernorm")

@@ -155,7 +155,7 @@ def push_allreduce_rmsnorm(ranks: EmulatedRanks, xs: Sequence[torch.Tensor],
                            residual_out_sharded: bool = False, comm_ctas: int = 8,
                            outputs: Optional[list] = None, out_slot: int = -1, meta=None, phases: int = 7,
                            num_warps: Optional[int] = None, eps_tensor: Optional[torch.Tensor] = None,
-                           **spec_kw) -> list:
+                           norm_bias: Optional[torch.Tensor] = None, **spec_kw) -> list:
     """The push kernel on every emulated rank: ``[(normed, residual_out)]`` per rank.
 
     ``residuals[r]`` is rank r's residual input ([T, H], or its [S, H] shard with
@@ -164,8 +164,9 @@ def push_allreduce_rmsnorm(ranks: EmulatedRanks, xs: Sequence[torch.Tensor],
     output ring (the outputs' normed is the ring view); ``meta``, ``phases`` and ``num_warps``
     go to :func:`weave_compile.kernels.p2p.launch.launch_push`, ``spec_kw`` (``eps``,
     ``mid_dtype``, ``weight_offset``, ``residual_in_sharded``) to the
-    :class:`~weave_compile.kernels.spec.FusedSpec`; ``eps_tensor`` (0-d, on the ranks' device)
-    replaces ``eps`` and is read there."""
+    :class:`~weave_compile.kernels.spec.FusedSpec` (``norm="layernorm"`` too); ``eps_tensor`` (0-d,
+    on the ranks' device) replaces ``eps`` and is read there; ``norm_bias`` [H] is a LayerNorm's
+    bias, added after the weight."""
     T, H = xs[0].shape
     N = ranks.world_size
     S = math.ceil(T / N)
@@ -185,8 +186,8 @@ def push_allreduce_rmsnorm(ranks: EmulatedRanks, xs: Sequence[torch.Tensor],
 
     def one(r, ws, phases=phases, sync=True, compile_only=False):
         normed, res_out = outputs[r]
-        launch.launch_push(ws, Rows(xs[r], residuals[r], bias, weight, eps_tensor=eps_tensor), spec, normed, res_out, meta=meta,
-                           phases=phases, sync=sync, compile_only=compile_only)
+        launch.launch_push(ws, Rows(xs[r], residuals[r], bias, weight, eps_tensor=eps_tensor, norm_bias=norm_bias),
+                           spec, normed, res_out, meta=meta, phases=phases, sync=sync, compile_only=compile_only)
         return outputs[r]
 
     if interpreting() or ranks.device.type != "cuda":

@@ -21,7 +21,7 @@ from weave_compile.kernels.p2p import launch as p2p_launch
 from weave_compile.kernels.p2p.push import push_allreduce_rmsnorm_kernel
 from weave_compile.kernels.shared import common, workspace
 from weave_compile.kernels.shared.probe import check_hidden
-from weave_compile.kernels.shared.shapes import launch_meta
+from weave_compile.kernels.shared.shapes import launch_meta, layernorm_constexprs
 from weave_compile.kernels.shared.symm_call import run_on_workspace
 from weave_compile.kernels.spec import FusedSpec, Rows
 
@@ -51,7 +51,8 @@ def compile_variant_ptx(kernel: str, dtype: torch.dtype, hidden: int,
                         residual_out_sharded: bool = False, block_rows: Optional[int] = None,
                         spin_limit: int = 0, arch: int = 90, return_all: bool = False,
                         rows_per_rank: int = 1 << 20, comm_ctas: int = common.DEFAULT_COMM_CTAS,
-                        out_in_region: bool = False, eps_ptr: bool = False):
+                        out_in_region: bool = False, eps_ptr: bool = False, norm: str = "rmsnorm",
+                        has_norm_bias: bool = False):
     """Compile ``kernel`` (one of :data:`PTX_KERNELS`) for ``cuda:sm_<arch>`` and return its PTX.
 
     Uses Triton's ``ASTSource`` + ``triton.compile(target=GPUTarget("cuda", arch, 32))``;
@@ -59,14 +60,19 @@ def compile_variant_ptx(kernel: str, dtype: torch.dtype, hidden: int,
     PTX (multimem) is accepted by ptxas for that architecture.  The launch shape is the one
     the launcher would pick for ``rows_per_rank`` and ``comm_ctas``; ``out_in_region`` (push) is
     the mode that leaves the normed output in the ring, ``eps_ptr`` (push) the one reading eps from
-    a float64 device tensor (``torch.compile(dynamic=True)``).  With ``return_all`` the
-    whole ``asm`` dict (ttir, ttgir, llir, ptx, cubin) is returned."""
+    a float64 device tensor (``torch.compile(dynamic=True)``), ``norm="layernorm"`` and
+    ``has_norm_bias`` (push) its LayerNorm variant (``IS_LAYERNORM``, ``HAS_NORM_BIAS``; RMSNorm
+    without a norm bias compiles the kernel without either keyword, as the launcher does).  With
+    ``return_all`` the whole ``asm`` dict (ttir, ttgir, llir, ptx, cubin) is returned."""
     if not common.HAS_TRITON:
         raise RuntimeError("triton is not available")
     if kernel not in PTX_KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {PTX_KERNELS}")
     if eps_ptr and kernel != "push":
         raise ValueError(f"eps_ptr: only the push kernel reads eps from a tensor, not {kernel!r}")
+    if (norm != "rmsnorm" or has_norm_bias) and kernel != "push":
+        raise ValueError(f"norm={norm!r}, has_norm_bias={has_norm_bias}: only the push kernel computes a "
+                         f"LayerNorm, not {kernel!r}")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -103,6 +109,11 @@ def compile_variant_ptx(kernel: str, dtype: torch.dtype, hidden: int,
         consts = dict(p2p_launch.push_constexprs(meta, **flags), PHASES=7, SYNC=True,
                       OUT_IN_REGION=bool(out_in_region), IDX64=common.needs_int64(extent),
                       EPS_PTR=bool(eps_ptr))
+        consts.update(layernorm_constexprs(norm, None))
+        if has_norm_bias:
+            consts["HAS_NORM_BIAS"] = True
+            runtime_sig["NORM_BIAS"] = sig(dtype)
+            aligned.append("NORM_BIAS")
         if eps_ptr:
             runtime_sig["eps"] = "*fp64"
         # out_ring_row is not declared 16-divisible: the stores must vectorize regardless

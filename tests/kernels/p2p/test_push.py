@@ -7,7 +7,8 @@ with the float64 oracle; awkward T and H; bf16/fp16/fp32; sharded and full resid
 back-to-back calls; CUDA-graph capture and replay with new data.  A spin limit turns a barrier
 that never completes into a failure (the status word), not a hang.  The 2-GPU tests of the
 real symmetric-memory path are in test_launch.py; the CPU interpreter run of this driver is in
-tests/testing/test_emulated_ranks.py.
+tests/testing/test_emulated_ranks.py. The LayerNorm variant runs here in every add+norm loop kind,
+forced, with 2 and 3 ranks (its CPU interpreter test: test_push_layernorm.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from tests.kernels import _layernorm_cases as lc  # noqa: E402
 from tests.kernels._symm_cases import (DTYPES, NO_RESIDUAL, check_outputs, eps_args, make_case,  # noqa: E402
                                        make_inputs, reference, rows_ref, shard_rows, sharding)
 from weave_compile.kernels.shared.common import ENV_SPIN_LIMIT, HAS_TRITON  # noqa: E402
@@ -213,6 +215,45 @@ def test_push_output_left_in_the_ring(c):
         assert torch.equal(n1, kept[r]), f"rank {r}: the slot-2 launch changed slot 1"
         assert check_outputs(c2, WORLD, r, n2, ro2, ref_n2, ref_r2)[0]
     assert ranks.barrier_state() == (0, 0)
+
+
+def _layernorm_cases():
+    """(world, case, loop kind, out_slot): every loop kind, forced, at every model H (bf16, T odd: the last
+    shard has a row past T), options rotating; 3 ranks (T=257: not divisible by 3); fp32; the ring."""
+    runs = []
+    options = [dict(res="full", bias=True), dict(res="shard_both", weight=False),
+               dict(res="shard_in", norm_bias=False, res_dtype="fp32", mid="bf16"), dict(res="first", woff=1.0)]
+    for H in (2048, 4096, 5120, 8192):
+        for k, kind in enumerate(("default", "pipelined", "prefetch", "rowwise")):
+            runs.append((2, lc.ln_case(4099, H, "bf16", ctas=16, **options[(k + H // 1024) % 4]), kind, -1))
+    for kind in ("default", "pipelined", "prefetch", "rowwise"):
+        runs.append((3, lc.ln_case(257, 4096, "bf16", res="shard_both", ctas=8), kind, -1))
+    runs += [
+        (2, lc.ln_case(1000, 4096, "fp32", res="shard_out", ctas=8), "default", -1),
+        (2, lc.ln_case(1000, 8192, "fp32", out_dtype="bf16", weight=False, eps_tensor=True, ctas=8), "default", -1),
+        (2, lc.ln_case(3, 4096, "bf16", res="none", ctas=32), "default", -1),  # decode: a CTA per row or none
+        (2, lc.ln_case(4099, 4096, "bf16", res="shard_both"), "default", 1),  # the ring, one warp per row
+        (2, lc.ln_case(257, 8192, "bf16", norm_bias=False), "default", 2),  # the ring, the prefetched tile
+        (2, lc.ln_case(4099, 4096, "bf16", norm="rmsnorm", offset=0.0), "default", -1),  # RMSNorm + norm bias
+    ]
+    return runs
+
+
+@pytest.mark.parametrize("world,c,kind,out_slot", _layernorm_cases(), ids=lambda v: (
+    lc.case_name(v) if isinstance(v, dict) else str(v)))
+def test_push_layernorm_matches_float64_oracle(world, c, kind, out_slot, seed):
+    """The LayerNorm variant (IS_LAYERNORM, HAS_NORM_BIAS) on concurrent emulated ranks with real barriers:
+    fresh rows with a common offset, outputs NaN-poisoned, the float64 oracle's LayerNorm of the kernel's
+    own residual (``tests/kernels/_layernorm_cases.check``, which RMSNorm would fail)."""
+    c = dict(c, seed=seed % 10**6)
+    inputs = lc.make_inputs(c, world, "cuda")
+    ranks = lc.ranks_for(c, world, "cuda", extra_rows=64)
+    outs = lc.run_push(ranks, c, inputs, meta=lc.meta_for(c, world, kind, interp=False), out_slot=out_slot,
+                       device="cuda")
+    torch.cuda.synchronize()
+    errs = lc.check(c, world, outs, inputs) + (lc.ring_errors(ranks, outs, out_slot) if out_slot >= 0 else [])
+    assert not errs, errs
+    assert ranks.barrier_state() == (0, 0), "barrier timeouts / signal pads not reset"
 
 
 def test_emulated_grids_must_fit_the_gpu():

@@ -2,7 +2,9 @@
 
 :mod:`.kernel` holds the design (every rank pushes all its rows to every peer, data are their
 own flags), the kernel and its launcher; :mod:`.workspace` its buffers. This module is its
-registry entry.
+registry entry. It takes LayerNorm sites (``takes_layernorm``): the kernel's LayerNorm variant
+(the centred row's mean square as the variance, the norm bias after the weight) runs at RMSNorm's
+launch shapes, and the RMSNorm kernel is compiled as before.
 """
 
 from __future__ import annotations
@@ -45,6 +47,6 @@ def _run(rows, spec):
 IMPLEMENTATION = Implementation(
     "oneshot", "every rank pushes all its rows to every peer, data as their own flags: no barrier (decode)",
     _check, _run, reserve=_reserve, workspaces=WORKSPACES,
-    capacity_error=SymmCapacityError, takes_eps_tensor=True, auto_rank=1,
+    capacity_error=SymmCapacityError, takes_eps_tensor=True, takes_layernorm=True, auto_rank=1,
     auto_preferred=True,
     auto_max_bytes=ONESHOT_MAX_BYTES, auto_ready=False)

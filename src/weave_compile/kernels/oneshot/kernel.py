@@ -1,4 +1,4 @@
-"""The one-shot kernel: barrier-free fused all-reduce + bias/residual add + RMSNorm for small token counts.
+"""The one-shot kernel: barrier-free fused all-reduce + bias/residual add + RMSNorm (or LayerNorm), small T.
 
 What
 ----
@@ -10,6 +10,11 @@ computes bit-identical rows), adds bias/residual, normalizes and writes both out
 second exchange, no barrier. With a sharded residual input each rank also pushes its residual
 rows (the ones it owns) so that every rank can finish every row; with a sharded residual output
 it returns only its own ``[S, H]`` rows (rows past ``T`` zero), like the other kernels.
+LayerNorm (``norm="layernorm"``, a norm bias after the weight) is the shared row body's variant
+(``IS_LAYERNORM``, ``HAS_NORM_BIAS`` with the ``NORM_BIAS`` row: the row's mean subtracted after the
+residual's rounding, the centred row's mean square as the variance, both passes over the tile in
+registers); the launcher passes none of these for RMSNorm without a norm bias, so that kernel
+compiles as it did.
 
 Why
 ---
@@ -88,7 +93,7 @@ import torch
 
 from ..shared.common import HAS_TRITON, spin_limit, tl, tl_dtype, triton
 from ..shared.probe import check_hidden
-from ..shared.shapes import launch_meta
+from ..shared.shapes import launch_meta, layernorm_constexprs
 from ..shared.symm_call import kernel_eps
 from ..spec import FusedSpec, Rows
 from .workspace import SENTINEL, OneShotWorkspace, SymmCapacityError, get_workspace
@@ -96,7 +101,7 @@ from .workspace import SENTINEL, OneShotWorkspace, SymmCapacityError, get_worksp
 # ----------------------------------------------------------------------------- kernel
 
 if HAS_TRITON:
-    from ..shared.rownorm import add_norm, norm_params  # the shared add + RMSNorm body (jit functions)
+    from ..shared.rownorm import add_norm, load_norm_bias, norm_params  # the shared add + norm body (jit functions)
 
     @triton.jit
     def _unsentinel(v, BITS: tl.constexpr, SENT: tl.constexpr):
@@ -166,6 +171,9 @@ if HAS_TRITON:
         PUSH_RES: tl.constexpr,  # HAS_RESIDUAL and RESIDUAL_IN_SHARDED: peers need our residual rows
         SPIN_LIMIT: tl.constexpr,
         EPS_PTR: tl.constexpr = False,
+        NORM_BIAS=None,  # [H]: a LayerNorm's bias, added after the weight (HAS_NORM_BIAS only)
+        IS_LAYERNORM: tl.constexpr = False,
+        HAS_NORM_BIAS: tl.constexpr = False,
     ):
         pid = tl.program_id(0)
         step = tl.num_programs(0) * BLOCK_ROWS
@@ -226,6 +234,9 @@ if HAS_TRITON:
         if EPS_PTR:  # eps a 0-d device tensor (a graph input under dynamic shapes)
             eps = tl.load(eps).to(tl.float32)
         bias, w = norm_params(BIAS, WEIGHT, cols, col_ok, weight_offset, HAS_BIAS, HAS_WEIGHT)
+        nb = None  # NORM_BIAS: None (a constexpr, no kernel argument) unless HAS_NORM_BIAS
+        if HAS_NORM_BIAS:
+            nb = load_norm_bias(NORM_BIAS, cols, col_ok)
         timeouts = tl.zeros((), dtype=tl.int32)
         slot_base = own_base + slot * slot_bytes
         i0 = pid * BLOCK_ROWS
@@ -261,11 +272,11 @@ if HAS_TRITON:
                 acc = acc + tl.where(own[:, None], r_own, r_peer.to(tl.float32))
                 res, normed = add_norm(acc, rows, rows, m, cols, RESIDUAL, stride_res_row, bias, w, eps,
                                        HIDDEN, RES_DTYPE, OUT_DTYPE, MID_DTYPE, False, False, HAS_WEIGHT,
-                                       HAS_MID, False)
+                                       HAS_MID, False, nb, IS_LAYERNORM, HAS_NORM_BIAS)
             else:
                 res, normed = add_norm(acc, rows, rows, m, cols, RESIDUAL, stride_res_row, bias, w, eps,
                                        HIDDEN, RES_DTYPE, OUT_DTYPE, MID_DTYPE, HAS_BIAS, HAS_RESIDUAL,
-                                       HAS_WEIGHT, HAS_MID, False)
+                                       HAS_WEIGHT, HAS_MID, False, nb, IS_LAYERNORM, HAS_NORM_BIAS)
             if RESIDUAL_OUT_SHARDED:
                 ms = own[:, None] & col_ok[None, :]
                 tl.store(RESIDUAL_OUT + (rows - own_lo)[:, None] * stride_res_out_row + cols[None, :],
@@ -294,7 +305,10 @@ else:  # pragma: no cover
 def launch(ws: OneShotWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Tensor,
            residual_out: torch.Tensor) -> None:
     """Enqueue the kernel on the current stream for prepared rows (tests call it directly with
-    emulated workspaces). The grid depends on (T, N, H, comm_ctas) only: the same on every rank."""
+    emulated workspaces). The grid depends on (T, N, H, comm_ctas) only: the same on every rank.
+    ``spec.norm`` picks RMSNorm or LayerNorm, ``rows.norm_bias`` (a LayerNorm's bias, [H]) is added
+    after the weight; RMSNorm without a norm bias launches the kernel without the LayerNorm keywords
+    (:func:`weave_compile.kernels.shared.shapes.layernorm_constexprs`)."""
     x, residual, bias, weight = rows.x, rows.residual, rows.bias, rows.weight
     residual_in_sharded, residual_out_sharded = spec.residual_in_sharded, spec.residual_out_sharded
     mid_dtype = spec.mid_dtype
@@ -308,6 +322,11 @@ def launch(ws: OneShotWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Tens
     rin_dtype = residual.dtype if residual is not None else x.dtype
     if residual is not None and residual_in_sharded and rin_dtype != ws.res_dtype:
         raise ValueError(f"workspace residual dtype {ws.res_dtype} != residual {rin_dtype}")
+    norm_bias = rows.norm_bias
+    if norm_bias is not None:
+        if norm_bias.numel() != H:
+            raise ValueError(f"norm_bias must have {H} elements, got shape {tuple(norm_bias.shape)}")
+        norm_bias = norm_bias.reshape(H).contiguous()
     meta = launch_meta(H, S * N, spec.comm_ctas)
     dummy = ws.state
     eps = kernel_eps(rows, spec)
@@ -329,7 +348,8 @@ def launch(ws: OneShotWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Tens
         HAS_MID=mid_dtype is not None, RESIDUAL_IN_SHARDED=residual_in_sharded,
         RESIDUAL_OUT_SHARDED=residual_out_sharded,
         PUSH_RES=residual is not None and residual_in_sharded, SPIN_LIMIT=spin_limit(),
-        EPS_PTR=isinstance(eps, torch.Tensor), num_warps=meta.num_warps, num_stages=1)
+        EPS_PTR=isinstance(eps, torch.Tensor), num_warps=meta.num_warps, num_stages=1,
+        **layernorm_constexprs(spec.norm, norm_bias))
 
 
 def _tl_int(dtype: torch.dtype):
@@ -361,7 +381,8 @@ def oneshot_allreduce_rmsnorm(rows: Rows, spec: FusedSpec, workspace: Optional[O
         return normed, residual_out
     rows = Rows(x.contiguous(), None if residual is None else residual.contiguous(),
                 None if rows.bias is None else rows.bias.contiguous(),
-                None if rows.weight is None else rows.weight.contiguous(), eps_tensor=rows.eps_tensor)
+                None if rows.weight is None else rows.weight.contiguous(), eps_tensor=rows.eps_tensor,
+                norm_bias=rows.norm_bias)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         launch(ws, rows, spec, normed, residual_out)
     return normed, residual_out

@@ -1,8 +1,10 @@
 """``p2p``: the push kernel over peer-mapped symmetric memory, for any NVLink / P2P machine.
 
-:mod:`.push` holds the kernel (scatter, add + RMSNorm on this rank's rows, gather; every
-cross-rank access a store), :mod:`.launch` its launch shapes and launcher. This module is its
-registry entry.
+:mod:`.push` holds the kernel (scatter, add + RMSNorm or LayerNorm on this rank's rows, gather;
+every cross-rank access a store), :mod:`.launch` its launch shapes and launcher. This module is its
+registry entry. It takes LayerNorm sites (``takes_layernorm``): the kernel's LayerNorm variant
+(the centred row's mean square as the variance, the norm bias after the weight) runs in every
+add+norm loop at RMSNorm's launch shapes, and the RMSNorm kernel is compiled as before.
 """
 
 from __future__ import annotations
@@ -35,5 +37,5 @@ def _run(rows, spec):
 IMPLEMENTATION = Implementation(
     "p2p", "push kernel: peer stores into symmetric memory, three block barriers, any NVLink/P2P machine",
     _check, _run, reserve=_reserve, workspaces=WORKSPACES,
-    capacity_error=SymmCapacityError, takes_out_slot=True, takes_eps_tensor=True,
+    capacity_error=SymmCapacityError, takes_out_slot=True, takes_eps_tensor=True, takes_layernorm=True,
     auto_rank=2)

@@ -10,6 +10,7 @@ workspace, the arguments given as keywords.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from typing import Optional
@@ -17,8 +18,8 @@ from typing import Optional
 import torch
 
 from ..shared.common import extent, interpreting, needs_int64, next_pow2, prefetch_fits, prev_pow2, spin_limit
-from ..shared.shapes import (ROWWISE_CHUNK, ROWWISE_WARPS, LaunchMeta, norm_constexprs, rowwise_fits,
-                             warps_and_rows)
+from ..shared.shapes import (ROWWISE_CHUNK, ROWWISE_WARPS, LaunchMeta, layernorm_constexprs, norm_constexprs,
+                             rowwise_fits, warps_and_rows)
 from ..shared.symm_call import contiguous_inputs, kernel_eps, run_on_workspace
 from ..shared.workspace import SymmWorkspace, ring_output
 from ..spec import FusedSpec, Rows
@@ -82,7 +83,9 @@ def push_meta(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
     :func:`pipelined_meta` shape. Each loop is the one that was fastest where both could run
     (docs/performance.md, "Launch shapes"). Never more tiles per iteration than the shard gives a
     CTA. The shape does not depend on where the normed output goes (copied out or left in the
-    ring): every rank compiles the same graph, and one shape won both."""
+    ring): every rank compiles the same graph, and one shape won both. Nor on the norm: a LayerNorm
+    takes RMSNorm's shapes (measured for RMSNorm only), which it fits without spilling (its second
+    pass is over the row already in registers; ptxas, sm_90, tests/testing/test_ptx.py)."""
     if (num_warps is None and rowwise_fits(hidden, world_size - 1, in_bytes, res_bytes)
             and math.ceil(rows_per_rank / max(1, comm_ctas)) >= ROWWISE_WARPS):
         # (a CTA with fewer rows than warps would leave warps idle, each busy one walking its
@@ -144,6 +147,8 @@ def launch_push(ws: SymmWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Te
 
     With ``spec.out_slot >= 0``, ``normed`` must be :func:`.workspace.ring_output` of that slot:
     the kernel leaves the normed rows there (peers push into the same slot) and copies none.
+    ``spec.norm`` picks RMSNorm or LayerNorm, ``rows.norm_bias`` (a LayerNorm's bias, [H]) is added
+    after the weight (:func:`weave_compile.kernels.shared.shapes.layernorm_constexprs`).
 
     ``meta`` overrides the launch shape; ``phases`` and ``sync`` are the kernel's measurement /
     simulation hooks (see :mod:`.push`); ``compile_only`` compiles without launching (emulated
@@ -156,6 +161,11 @@ def launch_push(ws: SymmWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Te
     S = math.ceil(num_tokens / N)
     dummy = ws.ptr_table
     residual, bias, weight = contiguous_inputs(rows)
+    norm_bias = rows.norm_bias
+    if norm_bias is not None:
+        if norm_bias.numel() != H:
+            raise ValueError(f"norm_bias must have {H} elements, got shape {tuple(norm_bias.shape)}")
+        norm_bias = norm_bias.reshape(H).contiguous()
     if out_slot >= 0:
         ring = ring_output(ws, out_slot, num_tokens)
         if normed.data_ptr() != ring.data_ptr() or normed.stride(0) != H:
@@ -184,6 +194,7 @@ def launch_push(ws: SymmWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Te
     kwargs = dict(OUT_IN_REGION=out_slot >= 0, PHASES=int(phases), SYNC=bool(sync), IDX64=idx64,
                   EPS_PTR=isinstance(eps, torch.Tensor),
                   num_warps=meta.num_warps, num_stages=1, **consts)
+    kwargs.update(layernorm_constexprs(spec.norm, norm_bias))
     if compile_only:  # compile (or find) the binary this launch would run, launch nothing
         push_allreduce_rmsnorm_kernel.warmup(*args, grid=(meta.grid,), **kwargs)
     else:
@@ -203,9 +214,10 @@ def push_on(ws: SymmWorkspace, rows: Rows, spec: FusedSpec, **launch_kw) -> tupl
         x = x.clone()
     x = x if x.is_contiguous() else x.contiguous()
     if x is not rows.x:
-        rows = Rows(x, rows.residual, rows.bias, rows.weight, rows.scale, rows.eps_tensor, rows.shape)
+        rows = dataclasses.replace(rows, x=x)
     out_slot = spec.out_slot
-    if out_slot >= 0 and _overlaps_ring_slot(ws, out_slot, x, rows.residual, rows.bias, rows.weight):
+    if out_slot >= 0 and _overlaps_ring_slot(ws, out_slot, x, rows.residual, rows.bias, rows.weight,
+                                           rows.norm_bias):
         # The pass proves no input is the slot's previous output. Falling back on this rank
         # alone would break the protocol (peers push to the ring slot by global row), so fail.
         raise RuntimeError(f"weave: an input of the fused op lives in output ring slot {out_slot}, "
@@ -236,13 +248,16 @@ def _overlaps_ring_slot(ws: SymmWorkspace, slot: int, *tensors) -> bool:
 
 def allreduce_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
                       weight: Optional[torch.Tensor] = None, *, channel: int = 0, num_warps: Optional[int] = None,
-                      eps_tensor: Optional[torch.Tensor] = None, **spec_kw) -> tuple[torch.Tensor, torch.Tensor]:
-    """All-reduce ``x`` [T, H] over ``spec_kw["group_name"]``, add bias/residual, RMSNorm, with the
-    push kernel: ``(normed [T, H], residual_out [T, H] or this rank's [S, H] shard)``.
+                      eps_tensor: Optional[torch.Tensor] = None, norm_bias: Optional[torch.Tensor] = None,
+                      **spec_kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-reduce ``x`` [T, H] over ``spec_kw["group_name"]``, add bias/residual, RMSNorm (or
+    LayerNorm: ``norm="layernorm"``), with the push kernel: ``(normed [T, H], residual_out [T, H]
+    or this rank's [S, H] shard)``.
 
     ``spec_kw`` are :class:`~weave_compile.kernels.spec.FusedSpec`'s fields (dtypes default to the
-    inputs'); ``eps_tensor`` (0-d, on ``x``'s device) replaces ``eps`` and is read there.
+    inputs'); ``eps_tensor`` (0-d, on ``x``'s device) replaces ``eps`` and is read there;
+    ``norm_bias`` [H] is added after the weight.
     Collective; see :func:`weave_compile.kernels.shared.symm_call.run_on_workspace`."""
     spec = FusedSpec.for_rows(x, residual, **spec_kw)
-    rows = Rows(x, residual, bias, weight, eps_tensor=eps_tensor)
+    rows = Rows(x, residual, bias, weight, eps_tensor=eps_tensor, norm_bias=norm_bias)
     return run_on_workspace(rows, spec, push_on, ring=spec.out_slot >= 0, channel=channel, num_warps=num_warps)

@@ -7,8 +7,8 @@ With ``N`` ranks and ``T`` rows padded to ``S * N`` (``S = ceil(T / N)``), rank 
 
 1. *scatter*: our partial sums of owner ``p``'s rows -> slot ``[r]`` of ``p``'s input region;
 2. *reduce + norm*: our rows = our own partial + the N-1 partials peers pushed into our input
-   slots; the shared add + RMSNorm body (:mod:`weave_compile.kernels.shared.rownorm`); the results go to our outputs and
-   are pushed into slot ``[r]`` of every peer's output (and residual) region;
+   slots; the shared add + RMSNorm (or LayerNorm) body (:mod:`weave_compile.kernels.shared.rownorm`); the results go to
+   our outputs and are pushed into slot ``[r]`` of every peer's output (and residual) region;
 3. *gather*: copy the rows peers pushed into our output slots to the outputs.
 
 With ``OUT_IN_REGION`` the normed output is itself a view of this rank's output region (slot
@@ -48,6 +48,15 @@ the CPU interpreter), an fp32 ulp apart in places with fp32 inputs and 3+ ranks;
 one-warp-per-row loop adds up a row's squares in its own order, so its normed rows can be an
 ulp from the others' (the residual cannot).
 
+LayerNorm (``IS_LAYERNORM``, ``HAS_NORM_BIAS`` with the ``NORM_BIAS`` row: the contract's
+``norm="layernorm"`` and its bias after the weight) is the shared body's variant in every add+norm
+loop: the row's mean subtracted after the residual's rounding, the centred row's mean square as the
+variance, both passes over the row already in registers (the tile, or the one-warp-per-row loop's
+kept chunks). The flags default off and the launcher passes none of them for RMSNorm without a norm
+bias, so that kernel compiles as it did. The launch shapes are RMSNorm's (chosen by its
+measurements); with LayerNorm on they compile for sm_90 without spilling
+(tests/testing/test_ptx.py).
+
 ``PHASES`` (bitmask 1|2|4) and ``SYNC`` are measurement and simulation hooks: the per-CTA
 benchmark leaves phases out (barriers kept, so the pads still pair up), and the one-process CPU
 simulation runs one phase of every rank at a time without barriers (the host orders them).
@@ -58,8 +67,8 @@ from __future__ import annotations
 from ..shared.common import HAS_TRITON, tl, triton
 
 if HAS_TRITON:
-    from ..shared.rownorm import (add_norm, load_residual, norm_params, norm_tile, rowwise_first_loads,
-                          rowwise_group, shard_rows, store_residual_shard)
+    from ..shared.rownorm import (add_norm, load_norm_bias, load_residual, norm_params, norm_tile,
+                                  rowwise_first_loads, rowwise_group, shard_rows, store_residual_shard)
     from ..shared.sync import block_barrier
 
     @triton.jit
@@ -206,6 +215,8 @@ if HAS_TRITON:
         OUT_IN_REGION: tl.constexpr = False, PHASES: tl.constexpr = 7, SYNC: tl.constexpr = True,
         IDX64: tl.constexpr = True, NORM_CHUNK: tl.constexpr = 0,
         NORM_DEPTH: tl.constexpr = 1, EPS_PTR: tl.constexpr = False,
+        NORM_BIAS=None,  # [H]: a LayerNorm's bias, added after the weight (HAS_NORM_BIAS only)
+        IS_LAYERNORM: tl.constexpr = False, HAS_NORM_BIAS: tl.constexpr = False,
     ):
         pid = tl.program_id(0)
         step = tl.num_programs(0) * BLOCK_ROWS
@@ -233,6 +244,9 @@ if HAS_TRITON:
             if EPS_PTR:  # eps a 0-d device tensor (a graph input under dynamic shapes)
                 eps = tl.load(eps).to(tl.float32)
             bias, w = norm_params(BIAS, WEIGHT, cols, col_ok, weight_offset, HAS_BIAS, HAS_WEIGHT)
+            nb = None  # NORM_BIAS: None (a constexpr, no kernel argument) unless HAS_NORM_BIAS
+            if HAS_NORM_BIAS and NORM_CHUNK == 0:  # the one-warp-per-row loop loads it per chunk
+                nb = load_norm_bias(NORM_BIAS, cols, col_ok)
             out_peers, peer_ok = _peer_regions(PTR_TABLE, 1, rank, OUT_DTYPE, WORLD_SIZE, PEERS_P2)
             res_peers, _ = _peer_regions(PTR_TABLE, 2, rank, RES_DTYPE, WORLD_SIZE, PEERS_P2)
             if NORM_CHUNK > 0:
@@ -277,7 +291,8 @@ if HAS_TRITON:
                         to_peers, BIAS, WEIGHT, 1.0, eps, weight_offset, c,
                         BLOCK_ROWS * NORM_UNROLL, HIDDEN, NORM_CHUNK, NORM_DEPTH, RES_DTYPE,
                         OUT_DTYPE, MID_DTYPE, False, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, HAS_MID,
-                        RESIDUAL_OUT_SHARDED and HAS_BIAS, not RESIDUAL_OUT_SHARDED, True)
+                        RESIDUAL_OUT_SHARDED and HAS_BIAS, not RESIDUAL_OUT_SHARDED, True, NORM_BIAS,
+                        IS_LAYERNORM, HAS_NORM_BIAS)
             elif NORM_PREFETCH:
                 # Registers double-buffered: the next tile's loads are issued before this tile's
                 # math and stores, so they are in flight meanwhile (no shared-memory staging, no
@@ -300,7 +315,8 @@ if HAS_TRITON:
                     m = ok[:, None] & col_ok[None, :]
                     acc = cx.to(tl.float32) + tl.sum(cparts.to(tl.float32), axis=0)
                     res, normed = norm_tile(acc, cres, bias, w, eps, HIDDEN, RES_DTYPE, OUT_DTYPE,
-                                            MID_DTYPE, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, HAS_MID)
+                                            MID_DTYPE, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, HAS_MID, nb,
+                                            IS_LAYERNORM, HAS_NORM_BIAS)
                     _norm_store(out_peers, res_peers, peer_ok, NORMED, RESIDUAL_OUT, res, normed, j,
                                 rows, m, col_ok, cols, rank, slot_rows, rows_per_rank,
                                 stride_out_row, stride_res_out_row, out_ring_row, HIDDEN,
@@ -319,7 +335,8 @@ if HAS_TRITON:
                                        mask=m, other=0.0).to(tl.float32)
                     res, normed = add_norm(acc, j, rows, m, cols, RESIDUAL, stride_res_row, bias, w,
                                            eps, HIDDEN, RES_DTYPE, OUT_DTYPE, MID_DTYPE, HAS_BIAS,
-                                           HAS_RESIDUAL, HAS_WEIGHT, HAS_MID, RESIDUAL_IN_SHARDED)
+                                           HAS_RESIDUAL, HAS_WEIGHT, HAS_MID, RESIDUAL_IN_SHARDED, nb,
+                                           IS_LAYERNORM, HAS_NORM_BIAS)
                     _norm_store(out_peers, res_peers, peer_ok, NORMED, RESIDUAL_OUT, res, normed, j,
                                 rows, m, col_ok, cols, rank, slot_rows, rows_per_rank,
                                 stride_out_row, stride_res_out_row, out_ring_row, HIDDEN,

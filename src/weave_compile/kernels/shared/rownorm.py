@@ -19,7 +19,7 @@ centred row: two passes over the row held in registers (the tile, or the kept ch
 :func:`rowwise_group`), never E[x^2] - mean^2, which cancels where the mean is large against the
 spread.  ``HAS_NORM_BIAS`` adds the LayerNorm's bias after the weight.  Both are constexpr
 flags that default off, so the RMSNorm bodies compile as they did, and the kernels that do not
-pass them (oneshot, the push and pull kernels) are unchanged.
+pass them (the pull kernel) are unchanged; the push and one-shot kernels pass them for a LayerNorm only.
 """
 
 from __future__ import annotations

@@ -97,3 +97,19 @@ def norm_constexprs(*, world_size, hidden, block_h, block_rows, in_dtype, out_dt
         # Triton's CPU interpreter cannot run inline PTX (tests simulate ranks with it).
         FENCE_ASM=not interp,
     )
+
+
+def layernorm_constexprs(norm: str, norm_bias) -> dict:
+    """The LayerNorm keywords of the kernels built on the shared row bodies (the push and one-shot
+    kernels): ``IS_LAYERNORM`` for ``norm="layernorm"``, the ``NORM_BIAS`` row and ``HAS_NORM_BIAS``
+    where there is one. RMSNorm without a norm bias gets none of them: its launch binds the kernel's
+    defaults (flags off, no ``NORM_BIAS`` argument) and compiles to the code it did before the variant
+    existed (sm_90 PTX compared)."""
+    if norm not in ("rmsnorm", "layernorm"):
+        raise ValueError(f"norm must be 'rmsnorm' or 'layernorm', got {norm!r}")
+    kw = {}
+    if norm == "layernorm":
+        kw["IS_LAYERNORM"] = True
+    if norm_bias is not None:
+        kw.update(NORM_BIAS=norm_bias, HAS_NORM_BIAS=True)
+    return kw
