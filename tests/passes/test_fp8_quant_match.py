@@ -138,6 +138,36 @@ def test_each_form_is_matched_with_its_parameters(form, seed):
     assert m.describe().startswith(f"fp8 {str(m.dtype).replace('torch.float8_', '')} ")
 
 
+def _torchao_flattened(x):
+    """torchao's per-row quant as its plain-torch path writes it on a 3-D input: the amax over the
+    rows flattened to 2-D, the bf16 quotient viewed back to the input's leading dims, then fp32."""
+    x2 = x.reshape(-1, x.shape[-1])
+    scale = (x2.abs().amax(dim=-1, keepdim=True) / 448.0).reshape(*x.shape[:-1], 1).to(F32)
+    return (x.to(F32) / scale).clamp(-448.0, 448.0).to(E4M3), scale
+
+
+def test_torchaos_flattened_per_row_form_is_matched(seed):
+    """The form torchao's own ``Float8DynamicActivationFloat8WeightConfig(PerRow())`` traces to on a
+    [B, S, H] activation (tests/passes/test_torchao_fp8.py runs torchao itself): the reshapes on the
+    way to and from the amax are part of the chain, the rows and scales the same per-row values."""
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(2, T, H, generator=g) * 3).to(BF16)
+    w = (1 + 0.3 * torch.randn(H, generator=g)).to(BF16)
+    gm, normed = _capture(lambda h, w: _torchao_flattened(_norm(h, w)), (h, w))
+    m, reason = match_quant_readers(normed)
+    assert m is not None and reason is None, reason
+    assert (m.kind, m.reciprocal, m.clamp, m.scale_dtype, m.fp8_max) == ("row", False, True, BF16, 448.0)
+    out = gm.graph.output_node().args[0]
+    assert m.q is out[0] and m.scales is out[1] and m.rows is normed
+    inside = set(m.nodes)
+    for n in m.nodes:
+        if n is not m.q and n is not m.scales:
+            assert set(n.users) <= inside, n.format_node()
+    got = _run(gm, (h, w))
+    want_q, want_scale = _oracle(m, _norm(h, w))
+    assert torch.equal(got[0].to(torch.float64), want_q) and torch.equal(got[1].to(torch.float64), want_scale)
+
+
 def test_describe_names_the_form():
     fn, _ = FORMS["vllm_per_token"]
     gm, normed = _capture(fn, _inputs(0, static=False))

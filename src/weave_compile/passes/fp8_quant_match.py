@@ -231,6 +231,12 @@ def _row_scale(s: fx.Node, rows: fx.Node, xf: fx.Node) -> Optional[dict]:
             floor_narrow = set(narrow) | ({dt} if dt not in (torch.float32, torch.float64) else set())
             nodes.append(cur)
             cur = cur.args[0]
+        elif is_call(cur, *_VIEWS) and _reshapes_row_scales(cur):
+            # torchao reduces over the rows flattened to 2-D, then views the scales back to the
+            # input's leading dims: the same per-row values
+            nodes.append(cur)
+            cur = cur.args[0]
+            continue
         else:
             break
         if dt not in (torch.float32, torch.float64):
@@ -283,11 +289,31 @@ def _row_scale(s: fx.Node, rows: fx.Node, xf: fx.Node) -> Optional[dict]:
     # the scale keeps one trailing 1: the reduction's keepdim, an unsqueeze, less a view dropping it
     if dim not in (-1, nd - 1) or int(bool(kd)) + keepdim - squeezed != 1 or not is_call(a, aten.abs.default):
         return None
-    if a.args[0] is not rows and a.args[0] is not xf:
-        return None
+    src = a.args[0]
+    if src is not rows and src is not xf:
+        if not (is_call(src, *_VIEWS) and src.args[0] in (rows, xf) and _keeps_rows(src)):
+            return None
+        nodes.append(src)  # the rows flattened to 2-D (torchao's reshape before its amax)
     nodes.append(a)
     scale_dtype = next(iter(narrow)) if narrow else torch.float32
     return {"fp8_max": fp8_max, "floor": floor, "scale_dtype": scale_dtype, "nodes": nodes}
+
+
+def _reshapes_row_scales(view: fx.Node) -> bool:
+    """Whether ``view`` only regroups the leading dims of ``[..., 1]`` row scales (as many rows, the
+    trailing 1 kept on both sides)."""
+    before, after = val(view.args[0]), val(view)
+    if before is None or after is None or not before.dim() or not after.dim():
+        return False
+    return str(before.shape[-1]) == str(after.shape[-1]) == "1" and str(before.numel()) == str(after.numel())
+
+
+def _keeps_rows(view: fx.Node) -> bool:
+    """Whether ``view`` only regroups the leading dims of rows (the last dim, the row, kept)."""
+    before, after = val(view.args[0]), val(view)
+    if before is None or after is None or not before.dim() or not after.dim():
+        return False
+    return str(before.shape[-1]) == str(after.shape[-1]) and str(before.numel()) == str(after.numel())
 
 
 def _drops_last_one(view: fx.Node) -> bool:
