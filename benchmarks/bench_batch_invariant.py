@@ -16,6 +16,12 @@ all-to-all output read back and summed in rank order in fp32 (N partial rows per
 rounding) against the reduce-scatter path. What the all-to-all costs on the wire against a
 reduce-scatter (the same bytes) needs two GPUs.
 
+``ce`` (``--designs nccl,ce``): its copies move the same bytes with or without the option, so what
+the mode changes is its add+norm kernel (the rank-order sum of the N-1 received slots and its own
+partial, on the pipelined row tile at every T, against the default launch shape, the one warp per
+row from 8 rows per CTA on): that kernel is timed alone on this rank's S = ceil(T/N) rows and N-1
+received slots (32 CTAs, this rank the last, whose own partial is added last in rank order).
+
 Checked at every point: rows 0, S-1 and one drawn row of this rank's slice of a T-row call equal,
 bit for bit, the same row run in a call of its own (the add+norm kernel's launch differs with T);
 ``invariant`` is that check's verdict (with the option: must be ``yes``).
@@ -57,8 +63,39 @@ def _inputs(T: int, H: int, world: int, seed: int, dev):
     return x, residual
 
 
+def _ce_inputs(T: int, H: int, world: int, seed: int, dev):
+    """This rank's S rows of its own partial, the N-1 received slots, the residual shard."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    S = -(-T // world)
+    x = torch.randn(S, H, generator=g, device=dev).to(torch.bfloat16)
+    recv = torch.randn(world - 1, S, H, generator=g, device=dev).to(torch.bfloat16)
+    residual = torch.randn(S, H, generator=g, device=dev).to(torch.bfloat16)
+    return x, recv, residual
+
+
+def _ce_addnorm(x, recv, residual, weight, invariant: bool):
+    """ce's SM phase on these rows: the add+norm kernel as its program launches it (the last rank's
+    rank order with the option)."""
+    from weave_compile.kernels.shared import addnorm
+
+    normed, res = torch.empty_like(x), torch.empty_like(residual)
+    addnorm.add_rmsnorm_rows(x, recv, residual, None, weight, None, normed, res, n_valid=x.shape[0], eps=1e-6,
+                             mid_dtype=None, weight_offset=0.0, num_ctas=32,
+                             rank_order=recv.shape[0] if invariant else None)
+    return normed, res
+
+
 def row_check(design: str, T: int, H: int, world: int, weight, group_name: str, dev) -> bool:
     """Rows of this rank's slice of a T-row call against the same rows alone, bit for bit."""
+    if design == "ce":
+        x, recv, residual = _ce_inputs(T, H, world, 1, dev)
+        normed, res = _ce_addnorm(x, recv, residual, weight, True)
+        S = x.shape[0]
+        for p in sorted({0, S - 1, random.Random(T).randrange(S)}):
+            n1, r1 = _ce_addnorm(x[p:p + 1], recv[:, p:p + 1].contiguous(), residual[p:p + 1], weight, True)
+            if not (torch.equal(normed[p], n1[0]) and torch.equal(res[p], r1[0])):
+                return False
+        return True
     x, residual = _inputs(T, H, world, 1, dev)
     normed, res = _op(design, x, residual, weight, group_name, True)
     S = residual.shape[0]
@@ -93,13 +130,21 @@ def main(argv=None) -> None:
             weight = (1 + 0.1 * torch.randn(H, device=dev)).to(torch.bfloat16)
             for design in args.designs.split(","):
                 for T in [int(t) for t in args.tokens.split(",")]:
-                    x, residual = _inputs(T, H, world, 0, dev)
+                    if design == "ce":
+                        x, recv, residual = _ce_inputs(T, H, world, 0, dev)
+
+                        def call(inv, x=x, recv=recv, residual=residual):
+                            return _ce_addnorm(x, recv, residual, weight, inv)
+                    else:
+                        x, residual = _inputs(T, H, world, 0, dev)
+
+                        def call(inv, x=x, residual=residual, design=design):
+                            return _op(design, x, residual, weight, group_name, inv)
                     ok = row_check(design, T, H, world, weight, group_name, dev)
                     times = {False: [], True: []}
                     for r in range(args.rounds):
                         for inv in ((False, True) if r % 2 == 0 else (True, False)):
-                            times[inv].append(Timer(args.repeats)(
-                                lambda inv=inv: _op(design, x, residual, weight, group_name, inv), args.calls))
+                            times[inv].append(Timer(args.repeats)(lambda inv=inv: call(inv), args.calls))
                     ratio = statistics.median(b / a for a, b in zip(times[False], times[True]))
                     row = {**meta, "design": design, "world_size": world, "hidden": H, "T": T,
                            "us_default": f"{statistics.median(times[False]):.2f}",
