@@ -8,7 +8,9 @@ fused op the quantization runs on this rank's 1/N of the rows and the all-gather
 Contract, per row ``y`` = the op's normed row rounded to ``out_dtype`` (the spec's rounding), in
 float32::
 
-    row:    s = max(amax(|y|) / fp8_max, floor)          # the row's scale, returned [.., 1] fp32
+    row:    s = max(amax(|y|) * r, floor)                # the row's scale, returned [.., 1] fp32
+            (r = 1 / fp8_max rounded to fp32: how torch divides a CUDA tensor by a Python number,
+            and so the same bits from the kernel and from torch on either device)
             (rounded to scale_dtype first where the model divides in bf16, torchao's per-row form)
     static: s = scale                                    # the model's static per-tensor scale
     q = y * (1 / s)   if reciprocal else   y / s
@@ -94,6 +96,11 @@ class QuantSpec:
         return f"fp8 {name} {'per-row' if self.kind == 'row' else 'static per-tensor'}"
 
     @property
+    def inverse_max(self) -> float:
+        """``1 / fp8_max`` rounded to fp32 (IEEE, once): the row scale is ``amax`` times it."""
+        return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(self.fp8_max, dtype=torch.float32))
+
+    @property
     def saturation(self) -> float:
         """The bound the quotient is clamped to: ``fp8_max`` where the model clamps, else the
         format's largest finite value (the cast saturates: module doc)."""
@@ -111,7 +118,8 @@ def quantize_rows(y: torch.Tensor, quant: QuantSpec,
     (``kind == "static"``; its scales output is empty, [0])."""
     yf = y.float()
     if quant.kind == "row":
-        s = (yf.abs().amax(-1, keepdim=True) / quant.fp8_max).to(quant.scale_dtype).clamp_min(quant.floor).float()
+        r = torch.tensor(quant.inverse_max, dtype=torch.float32, device=y.device)
+        s = (yf.abs().amax(-1, keepdim=True) * r).to(quant.scale_dtype).clamp_min(quant.floor).float()
         scales = s
     else:
         if scale is None:
@@ -141,7 +149,7 @@ def quotient_ref(y: torch.Tensor, quant: QuantSpec,
     rounding boundaries (``testing.numerics.codes_agree``)."""
     yd = y.to(torch.float64)
     if quant.kind == "row":
-        s = yd.abs().amax(-1, keepdim=True) / quant.fp8_max
+        s = (yd.abs().amax(-1, keepdim=True) * quant.inverse_max).to(torch.float32).to(torch.float64)
         if quant.scale_dtype != torch.float32:  # the model rounds its quotient there and floors it there
             s = s.to(quant.scale_dtype).clamp_min(quant.floor)
         else:

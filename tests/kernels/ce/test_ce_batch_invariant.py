@@ -183,3 +183,22 @@ def test_rank_order_arguments_are_checked():
     with pytest.raises(ValueError, match="pipelined row tile only"):
         addnorm.add_rmsnorm_rows(x, x[None], None, None, None, None, torch.empty_like(x), torch.empty_like(x),
                                  rank_order=0, config=addnorm.LaunchConfig(2, 1, 4, True), **kw)
+
+
+@pytest.mark.parametrize("own,slots", [(0, 1), (1, 1), (2, 3)])
+def test_the_rank_order_variant_compiles_for_sm90(own, slots):
+    """The GPU compiler takes the rank-order loop (the interpreter is laxer: a constexpr reassigned
+    per unrolled iteration ran there and failed to compile on an H100), without spills."""
+    from tests.kernels.shared.test_addnorm import _ptxas_report
+    from weave_compile.kernels.shared import addnorm
+
+    pytest.importorskip("triton")
+    Hk, rows = 4096, 16
+    cfg = addnorm.launch_config(Hk, prefetch=False)
+    tensors = (torch.empty(rows, Hk, dtype=BF16), torch.empty(slots, rows, Hk, dtype=BF16),
+               torch.empty(rows, Hk, dtype=BF16), None, torch.empty(Hk, dtype=BF16), None, None,
+               torch.empty(rows, Hk, dtype=BF16), torch.empty(rows, Hk, dtype=BF16))
+    args, kw = addnorm.kernel_args(tensors, rows, rows, 1e-5, None, 0.0, cfg, slots, rank_order=own)
+    assert kw["OWN"] == own
+    report = _ptxas_report(args, kw)
+    assert "Used" in report and " 0 bytes spill stores" in report, report

@@ -182,10 +182,9 @@ if HAS_TRITON:
             for p in tl.static_range(NUM_SLOTS + 1):
                 if p == OWN:
                     term = own
-                else:
-                    slot: tl.constexpr = p if p < OWN else p - 1
-                    term = tl.load(RECV + slot * stride_recv_slot + rows[:, None] * HIDDEN + cols[None, :], mask=m,
-                                   other=0.0).to(tl.float32)
+                else:  # rank p's slot: p below OWN, p - 1 above (a constexpr: the loop is unrolled)
+                    term = tl.load(RECV + (p - (p > OWN)) * stride_recv_slot + rows[:, None] * HIDDEN
+                                   + cols[None, :], mask=m, other=0.0).to(tl.float32)
                 if p == 0:
                     acc = term
                 else:

@@ -42,7 +42,7 @@ def quant_constexprs(quant, out_dtype: torch.dtype) -> dict:
     mbits, bias, finite = _FORMATS[quant.dtype]
     return dict(QUANT=1 if quant.kind == "row" else 2,
                 Q_DTYPE=tl.float8e4nv if quant.dtype == torch.float8_e4m3fn else tl.float8e5,
-                Q_MAX=float(quant.fp8_max), Q_FLOOR=float(quant.floor), Q_RECIP=bool(quant.reciprocal),
+                Q_MAX=float(quant.inverse_max), Q_FLOOR=float(quant.floor), Q_RECIP=bool(quant.reciprocal),
                 Q_SDTYPE=tl_dtype(quant.scale_dtype), Q_MBITS=mbits, Q_BIAS=bias,
                 Q_SAT=float(quant.fp8_max) if quant.clamp else finite)
 
@@ -98,7 +98,7 @@ if HAS_TRITON:
             amax = tl.max(tl.abs(yf), axis=1)
             has_nan = tl.max((yf != yf).to(tl.int32), axis=1) > 0
             amax = tl.where(has_nan, float("nan"), amax)
-            s = to_scale_dtype(tl.div_rn(amax, tl.full(amax.shape, Q_MAX, tl.float32)), Q_SDTYPE, INTERPRET)
+            s = to_scale_dtype(amax * Q_MAX, Q_SDTYPE, INTERPRET)  # Q_MAX: 1 / fp8_max in fp32 (quant.py)
             s = tl.maximum(s, tl.full(s.shape, Q_FLOOR, tl.float32), propagate_nan=tl.PropagateNan.ALL)
             s = to_scale_dtype(s, Q_SDTYPE, INTERPRET)
         else:
@@ -108,10 +108,7 @@ if HAS_TRITON:
         else:
             q = tl.div_rn(yf, tl.broadcast_to(s[:, None], yf.shape))
         q = tl.clamp(q, -Q_SAT, Q_SAT, propagate_nan=tl.PropagateNan.ALL)
-        if INTERPRET:
-            code = fp8_bits(q, Q_MBITS, Q_BIAS)
-        else:
-            code = q.to(Q_DTYPE).to(tl.uint8, bitcast=True).to(tl.int32)
+        code = fp8_bits(q, Q_MBITS, Q_BIAS)
         bits = q.to(tl.int32, bitcast=True)
         code = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, tl.where(bits < 0, 0xFF, 0x7F), code)  # NaN: its sign kept
         return code, s
