@@ -337,15 +337,18 @@ if HAS_TRITON:
                                              NORM_UNROLL, step, IDX64)
                     m = ok[:, None] & col_ok[None, :]
                     if RANK_ORDER:
-                        # batch_invariant: ranks 0..N-1 in order, ours at its place; a pointer
-                        # select, no branch on the run-time rank around a load (module doc)
-                        own_at = X + rows[:, None] * stride_x_row + cols[None, :]
+                        # batch_invariant: ranks 0..N-1 in order, ours at its place; a select of
+                        # the base pointer and the rows' offsets, not a branch on the run-time rank
+                        # around a load (module doc), nor a select of a whole tile of 64-bit
+                        # pointers (spills at fp32, H=8192)
                         acc = tl.zeros((BLOCK_ROWS * NORM_UNROLL, BLOCK_H), dtype=tl.float32)
-                        for p in tl.static_range(WORLD_SIZE):
-                            at = tl.where(rank == p, own_at,
-                                          in_base + (p * slot_rows + j)[:, None] * HIDDEN + cols[None, :])
-                            term = tl.load(at, mask=m, other=0.0).to(tl.float32)
-                            if p == 0:
+                        for k in tl.static_range(WORLD_SIZE):  # (not `p`: a run-time value above)
+                            mine = rank == k
+                            base = tl.where(mine, X, in_base + k * slot_rows * HIDDEN)
+                            row_at = tl.where(mine, rows * stride_x_row, j * HIDDEN)
+                            term = tl.load(base + row_at[:, None] + cols[None, :], mask=m,
+                                           other=0.0).to(tl.float32)
+                            if k == 0:
                                 acc = term
                             else:
                                 acc += term
