@@ -256,6 +256,53 @@ def _symm_rank(rank, world):
     return errs
 
 
+@pytest.mark.parametrize("N", [3, 4])
+@pytest.mark.parametrize("H", [4096, 8192])
+def test_oneshot_batch_invariant_rows_on_the_gpu(N, H, seed):
+    """``batch_invariant`` on concurrent emulated ranks, back to back on one workspace: one row whose
+    partials cancel in part (``tests/kernels/_batch_invariant_cases.py``) run alone and at positions
+    owned by every rank in calls of 2..4099 rows on 1, 8 and 32 CTAs, full and sharded residual: its
+    normed and residual rows bitwise the same on every rank (one-row tiles for every T), and the
+    residual the rank-order fp32 sum rounded once, which an owner-first order misses for these rows
+    (``test_oneshot_batch_invariant.py::test_the_sum_check_tells_the_orders_apart``): the kernel's own
+    order is rank order already, so turning the option off shows no owner to discriminate by."""
+    from tests.kernels import _batch_invariant_cases as bic
+
+    bf = torch.bfloat16
+    em = EmulatedRanks(N, H, bf, bf, capacity=math.ceil(4099 / N) * N)
+    parts, res_row = bic.row_partials(seed, N, H, "cuda")
+    weight = (1 + 0.1 * torch.randn(H, generator=torch.Generator().manual_seed(seed))).to(bf).cuda()
+    want_res = bic.rank_order_residual(parts, res_row).to(bf)
+    calls = 0
+
+    def row(T, pos, ctas, sharded):
+        nonlocal calls
+        S = math.ceil(T / N)
+        xs, residual = bic.batch_with_row(parts, res_row, T, pos, seed + T + pos, "cuda")
+        padded = torch.nn.functional.pad(residual, (0, 0, 0, S * N - T))
+        spec = FusedSpec(residual_dtype=bf, out_dtype=bf, comm_ctas=ctas, residual_in_sharded=sharded,
+                         residual_out_sharded=sharded, batch_invariant=True)
+        outs = [(torch.full((T, H), float("nan"), dtype=bf, device=DEV),
+                 torch.full((S if sharded else T, H), float("nan"), dtype=bf, device=DEV)) for _ in range(N)]
+        em.run(lambda r, ws: oneshot_kernel.launch(
+            ws, Rows(xs[r], padded[r * S:(r + 1) * S] if sharded else residual, None, weight), spec, *outs[r]))
+        torch.cuda.synchronize()
+        calls += 1
+        for normed, _ in outs[1:]:
+            assert bic.same_bits(normed, outs[0][0]), "the ranks computed other rows"
+        owner, j = pos // S, pos % S
+        return outs[0][0][pos], (outs[owner][1][j] if sharded else outs[0][1][pos])
+
+    for sharded in (False, True):
+        n1, r1 = row(1, 0, 1, sharded)
+        assert bic.same_bits(r1, want_res), "not the rank-order fp32 sum"
+        for T, pos in ((2, 1), (N - 1, N - 2), (5, 4), (257, 128), (257, 256), (4099, 0), (4099, 2050), (4099, 4098)):
+            for ctas in (1, 8, 32):
+                n, r = row(T, pos, ctas, sharded)
+                assert bic.same_bits(n, n1) and bic.same_bits(r, r1), (T, pos, bic.owner(T, pos, N), ctas, sharded)
+    em.check_state(calls)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (symmetric memory across processes)")
 def test_fused_op_oneshot_on_two_gpus():
     from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks

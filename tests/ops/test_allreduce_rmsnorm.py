@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from weave_compile import kernels
 from weave_compile.kernels.reference import allreduce_add_rmsnorm_ref
 from weave_compile.ops import ARG_NAMES, FUSED_OP, START_OP, WAIT_OP, allreduce_add_rmsnorm
 from weave_compile.rows import rows_per_rank
@@ -249,6 +250,18 @@ def test_the_rmsnorm_only_kernels_take_no_layernorm(kernel):
                               residual_dtype=torch.float32, out_dtype=torch.float32, mid_dtype=None,
                               weight_offset=0.0, residual_in_sharded=False, residual_out_sharded=False,
                               kernel=kernel, comm_ctas=8, norm="layernorm")
+
+
+def test_batch_invariant_runs_on_the_implementations_that_claim_it_only():
+    """The claimants (``Implementation.batch_invariant``): every one but multimem; the op refuses the
+    option on multimem, naming them."""
+    assert {e.name for e in kernels.implementations() if e.batch_invariant} == \
+        {"reference", "nccl", "ce", "p2p", "oneshot"}
+    with pytest.raises(ValueError, match=r"kernel 'multimem' does not add the partial sums in a fixed order.*'p2p'"):
+        allreduce_add_rmsnorm(torch.randn(2, 8), None, None, None, eps=1e-6, group_name="0",
+                              residual_dtype=torch.float32, out_dtype=torch.float32, mid_dtype=None,
+                              weight_offset=0.0, residual_in_sharded=False, residual_out_sharded=False,
+                              kernel="multimem", comm_ctas=8, batch_invariant=True)
 
 
 #: The symmetric-memory kernels that take a LayerNorm (``takes_layernorm``): on CPU tensors they run the

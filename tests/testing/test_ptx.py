@@ -184,3 +184,23 @@ def test_push_layernorm_variant_compiles_only_where_asked():
     assert rms != ln and ln != ln_nb
     with pytest.raises(ValueError, match="only the push kernel"):
         compile_variant_ptx("pull", torch.bfloat16, 4096, norm="layernorm")
+
+
+@requires_triton
+@pytest.mark.parametrize("world,hidden,dtype,rows", [
+    (2, 4096, torch.bfloat16, 1), (3, 4096, torch.bfloat16, 1 << 19), (4, 8192, torch.bfloat16, 1 << 18),
+    (3, 8192, torch.float32, 7), (8, 4096, torch.bfloat16, 1 << 17)])
+def test_push_rank_order_variant_compiles_without_spilling(world, hidden, dtype, rows):
+    """``batch_invariant``'s push kernel (RANK_ORDER: a pointer select per rank, the pipelined loop on
+    one-row tiles) compiles for sm_90 without spilling, to other code than the default's at the same
+    rows per rank, and the same code at every rows per rank (one shape)."""
+    ptx = compile_variant_ptx("push", dtype, hidden, world_size=world, rows_per_rank=rows, comm_ctas=8,
+                              residual_in_sharded=True, residual_out_sharded=True, batch_invariant=True)
+    assert all(s == (0, 0) for s in _ptxas_spills(ptx))
+    assert ptx != compile_variant_ptx("push", dtype, hidden, world_size=world, rows_per_rank=rows, comm_ctas=8,
+                                      residual_in_sharded=True, residual_out_sharded=True)
+    assert ptx == compile_variant_ptx("push", dtype, hidden, world_size=world, rows_per_rank=rows * 3 + 5,
+                                      comm_ctas=32, residual_in_sharded=True, residual_out_sharded=True,
+                                      batch_invariant=True)
+    with pytest.raises(ValueError, match="only the push kernel"):
+        compile_variant_ptx("pull", dtype, hidden, batch_invariant=True)

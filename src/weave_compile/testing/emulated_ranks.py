@@ -163,7 +163,8 @@ def push_allreduce_rmsnorm(ranks: EmulatedRanks, xs: Sequence[torch.Tensor],
     (CUDA-graph replays); ``out_slot >= 0`` leaves each rank's normed output in that slot of its
     output ring (the outputs' normed is the ring view); ``meta``, ``phases`` and ``num_warps``
     go to :func:`weave_compile.kernels.p2p.launch.launch_push`, ``spec_kw`` (``eps``,
-    ``mid_dtype``, ``weight_offset``, ``residual_in_sharded``) to the
+    ``mid_dtype``, ``weight_offset``, ``residual_in_sharded``, ``batch_invariant``: then
+    :func:`~weave_compile.kernels.p2p.launch.invariant_meta`'s shape unless ``meta``) to the
     :class:`~weave_compile.kernels.spec.FusedSpec` (``norm="layernorm"`` too); ``eps_tensor`` (0-d,
     on the ranks' device) replaces ``eps`` and is read there; ``norm_bias`` [H] is a LayerNorm's
     bias, added after the weight."""
@@ -181,7 +182,8 @@ def push_allreduce_rmsnorm(ranks: EmulatedRanks, xs: Sequence[torch.Tensor],
     spec = FusedSpec(residual_dtype=ws0.res_dtype, out_dtype=ws0.out_dtype, group_name="emulated",
                      residual_out_sharded=residual_out_sharded, comm_ctas=comm_ctas, out_slot=out_slot,
                      **spec_kw)
-    meta = meta or launch.push_meta(H, S, comm_ctas, N, xs[0].dtype.itemsize, ws0.res_dtype.itemsize, num_warps)
+    meta = meta or launch.push_meta(H, S, comm_ctas, N, xs[0].dtype.itemsize, ws0.res_dtype.itemsize, num_warps,
+                                    spec.batch_invariant)
     ranks.check_coresident(meta.grid)
 
     def one(r, ws, phases=phases, sync=True, compile_only=False):

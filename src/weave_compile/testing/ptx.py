@@ -52,7 +52,7 @@ def compile_variant_ptx(kernel: str, dtype: torch.dtype, hidden: int,
                         spin_limit: int = 0, arch: int = 90, return_all: bool = False,
                         rows_per_rank: int = 1 << 20, comm_ctas: int = common.DEFAULT_COMM_CTAS,
                         out_in_region: bool = False, eps_ptr: bool = False, norm: str = "rmsnorm",
-                        has_norm_bias: bool = False):
+                        has_norm_bias: bool = False, batch_invariant: bool = False):
     """Compile ``kernel`` (one of :data:`PTX_KERNELS`) for ``cuda:sm_<arch>`` and return its PTX.
 
     Uses Triton's ``ASTSource`` + ``triton.compile(target=GPUTarget("cuda", arch, 32))``;
@@ -62,12 +62,16 @@ def compile_variant_ptx(kernel: str, dtype: torch.dtype, hidden: int,
     the mode that leaves the normed output in the ring, ``eps_ptr`` (push) the one reading eps from
     a float64 device tensor (``torch.compile(dynamic=True)``), ``norm="layernorm"`` and
     ``has_norm_bias`` (push) its LayerNorm variant (``IS_LAYERNORM``, ``HAS_NORM_BIAS``; RMSNorm
-    without a norm bias compiles the kernel without either keyword, as the launcher does).  With
+    without a norm bias compiles the kernel without either keyword, as the launcher does),
+    ``batch_invariant`` (push) its rank-order variant (``RANK_ORDER`` on
+    :func:`weave_compile.kernels.p2p.launch.invariant_meta`'s shape; without it no keyword).  With
     ``return_all`` the whole ``asm`` dict (ttir, ttgir, llir, ptx, cubin) is returned."""
     if not common.HAS_TRITON:
         raise RuntimeError("triton is not available")
     if kernel not in PTX_KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {PTX_KERNELS}")
+    if batch_invariant and kernel != "push":
+        raise ValueError(f"batch_invariant: only the push kernel has a rank-order variant, not {kernel!r}")
     if eps_ptr and kernel != "push":
         raise ValueError(f"eps_ptr: only the push kernel reads eps from a tensor, not {kernel!r}")
     if (norm != "rmsnorm" or has_norm_bias) and kernel != "push":
@@ -99,7 +103,7 @@ def compile_variant_ptx(kernel: str, dtype: torch.dtype, hidden: int,
     if kernel == "push":
         fn = push_allreduce_rmsnorm_kernel
         meta = p2p_launch.push_meta(hidden, rows_per_rank, comm_ctas, world_size, dtype.itemsize,
-                                residual_dtype.itemsize, num_warps)
+                                residual_dtype.itemsize, num_warps, batch_invariant)
         if block_rows is not None:
             meta = dataclasses.replace(meta, block_rows=int(block_rows))
         # the index width the launcher would pick for T = N x rows_per_rank rows: the
@@ -110,6 +114,8 @@ def compile_variant_ptx(kernel: str, dtype: torch.dtype, hidden: int,
                       OUT_IN_REGION=bool(out_in_region), IDX64=common.needs_int64(extent),
                       EPS_PTR=bool(eps_ptr))
         consts.update(layernorm_constexprs(norm, None))
+        if batch_invariant:
+            consts["RANK_ORDER"] = True
         if has_norm_bias:
             consts["HAS_NORM_BIAS"] = True
             runtime_sig["NORM_BIAS"] = sig(dtype)

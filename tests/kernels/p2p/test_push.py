@@ -262,3 +262,48 @@ def test_emulated_grids_must_fit_the_gpu():
     ranks.check_coresident(sms // WORLD)
     with pytest.raises(ValueError, match="resident"):
         ranks.check_coresident(sms // WORLD + 1)
+
+
+@pytest.mark.parametrize("N", [3, 4])
+@pytest.mark.parametrize("H", [4096, 8192])
+def test_push_batch_invariant_rows_on_the_gpu(N, H, seed):
+    """``batch_invariant`` on concurrent emulated ranks: one row whose partials cancel in part
+    (``tests/kernels/_batch_invariant_cases.py``) run alone and at positions owned by every rank in
+    calls of 2..4099 rows on 1, 8 and 32 CTAs, full and sharded residual: its normed and residual rows
+    bitwise the same (the rank-order sum on one-row pipelined tiles), the residual the rank-order fp32
+    sum rounded once. Without the option the default shapes (the prefetched tile, the peers added as a
+    tree after the owner's own partial) give some owner other bits: the check discriminates."""
+    from tests.kernels import _batch_invariant_cases as bic
+
+    bf = torch.bfloat16
+    ranks = EmulatedRanks.create(N, H, 4099, dtype=bf)
+    parts, res_row = bic.row_partials(seed, N, H, "cuda")
+    weight = (1 + 0.1 * torch.randn(H, generator=torch.Generator().manual_seed(seed))).to(bf).cuda()
+
+    def row(T, pos, ctas, sharded, invariant):
+        S = math.ceil(T / N)
+        xs, residual = bic.batch_with_row(parts, res_row, T, pos, seed + T + pos, "cuda")
+        padded = torch.nn.functional.pad(residual, (0, 0, 0, S * N - T))
+        res_in = [padded[r * S:(r + 1) * S] if sharded else residual for r in range(N)]
+        outs = push_allreduce_rmsnorm(ranks, xs, res_in, None, weight, residual_in_sharded=sharded,
+                                      residual_out_sharded=sharded, comm_ctas=ctas, batch_invariant=invariant)
+        torch.cuda.synchronize()
+        for normed, _ in outs[1:]:
+            assert bic.same_bits(normed, outs[0][0]), "the ranks gathered other rows"
+        owner, j = pos // S, pos % S
+        return outs[0][0][pos], (outs[owner][1][j] if sharded else outs[0][1][pos])
+
+    placements = [(T, pos, ctas) for T, pos in ((2, 1), (N - 1, N - 2), (5, 4), (257, 128), (257, 256),
+                                                (4099, 0), (4099, 2050), (4099, 4098))
+                  for ctas in (1, 8, 32)]
+    for sharded in (False, True):
+        n1, r1 = row(1, 0, 1, sharded, True)
+        assert bic.same_bits(r1, bic.rank_order_residual(parts, res_row).to(bf)), "not the rank-order fp32 sum"
+        for T, pos, ctas in placements:
+            n, r = row(T, pos, ctas, sharded, True)
+            assert bic.same_bits(n, n1) and bic.same_bits(r, r1), (T, pos, bic.owner(T, pos, N), ctas, sharded)
+    assert ranks.barrier_state() == (0, 0), "barrier timeouts / signal pads not reset"
+    alone = row(1, 0, 8, False, False)
+    differ = [not (bic.same_bits(n, alone[0]) and bic.same_bits(r, alone[1]))
+              for n, r in (row(T, pos, 8, False, False) for T, pos in ((9, 8), (9, 4), (4099, 4098), (4099, 2050)))]
+    assert any(differ), "without the option no owner shows in the bits: this test would prove nothing"

@@ -5,6 +5,11 @@ own flags), the kernel and its launcher; :mod:`.workspace` its buffers. This mod
 registry entry. It takes LayerNorm sites (``takes_layernorm``): the kernel's LayerNorm variant
 (the centred row's mean square as the variance, the norm bias after the weight) runs at RMSNorm's
 launch shapes, and the RMSNorm kernel is compiled as before.
+
+Batch invariance (``batch_invariant``): every rank adds every row's partials in rank order 0..N-1
+in fp32 (the kernel always did), and with the option the launcher runs one-row tiles for every
+token count and CTA count (:func:`weave_compile.kernels.oneshot.kernel.invariant_meta`), so a
+row's outputs do not depend on the call's other rows.
 """
 
 from __future__ import annotations
@@ -47,6 +52,6 @@ def _run(rows, spec):
 IMPLEMENTATION = Implementation(
     "oneshot", "every rank pushes all its rows to every peer, data as their own flags: no barrier (decode)",
     _check, _run, reserve=_reserve, workspaces=WORKSPACES,
-    capacity_error=SymmCapacityError, takes_eps_tensor=True, takes_layernorm=True, auto_rank=1,
+    capacity_error=SymmCapacityError, takes_eps_tensor=True, takes_layernorm=True, batch_invariant=True, auto_rank=1,
     auto_preferred=True,
     auto_max_bytes=ONESHOT_MAX_BYTES, auto_ready=False)

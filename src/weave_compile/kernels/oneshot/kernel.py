@@ -15,6 +15,10 @@ LayerNorm (``norm="layernorm"``, a norm bias after the weight) is the shared row
 residual's rounding, the centred row's mean square as the variance, both passes over the tile in
 registers); the launcher passes none of these for RMSNorm without a norm bias, so that kernel
 compiles as it did.
+Batch invariance (the op's ``batch_invariant``): the sum is in rank order in fp32 on every rank
+for every row, so no owner shows in a row's bits; the launcher pins the one launch choice that
+moved with T, the rows per tile (:func:`invariant_meta`: one-row tiles), so a row's sum of squares
+is reduced alike at every T and CTA count.
 
 Why
 ---
@@ -93,7 +97,7 @@ import torch
 
 from ..shared.common import HAS_TRITON, spin_limit, tl, tl_dtype, triton
 from ..shared.probe import check_hidden
-from ..shared.shapes import launch_meta, layernorm_constexprs
+from ..shared.shapes import LaunchMeta, launch_meta, layernorm_constexprs, warps_and_rows
 from ..shared.symm_call import kernel_eps
 from ..spec import FusedSpec, Rows
 from .workspace import SENTINEL, OneShotWorkspace, SymmCapacityError, get_workspace
@@ -308,7 +312,8 @@ def launch(ws: OneShotWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Tens
     emulated workspaces). The grid depends on (T, N, H, comm_ctas) only: the same on every rank.
     ``spec.norm`` picks RMSNorm or LayerNorm, ``rows.norm_bias`` (a LayerNorm's bias, [H]) is added
     after the weight; RMSNorm without a norm bias launches the kernel without the LayerNorm keywords
-    (:func:`weave_compile.kernels.shared.shapes.layernorm_constexprs`)."""
+    (:func:`weave_compile.kernels.shared.shapes.layernorm_constexprs`). ``spec.batch_invariant``:
+    :func:`invariant_meta`'s shape (the kernel is the same: its sum is in rank order already)."""
     x, residual, bias, weight = rows.x, rows.residual, rows.bias, rows.weight
     residual_in_sharded, residual_out_sharded = spec.residual_in_sharded, spec.residual_out_sharded
     mid_dtype = spec.mid_dtype
@@ -327,7 +332,10 @@ def launch(ws: OneShotWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Tens
         if norm_bias.numel() != H:
             raise ValueError(f"norm_bias must have {H} elements, got shape {tuple(norm_bias.shape)}")
         norm_bias = norm_bias.reshape(H).contiguous()
-    meta = launch_meta(H, S * N, spec.comm_ctas)
+    if spec.batch_invariant:  # one-row tiles whatever T (invariant_meta)
+        meta = invariant_meta(H, S * N, spec.comm_ctas)
+    else:
+        meta = launch_meta(H, S * N, spec.comm_ctas)
     dummy = ws.state
     eps = kernel_eps(rows, spec)
     _oneshot_allreduce_rmsnorm_kernel[(meta.grid,)](
@@ -350,6 +358,19 @@ def launch(ws: OneShotWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Tens
         PUSH_RES=residual is not None and residual_in_sharded, SPIN_LIMIT=spin_limit(),
         EPS_PTR=isinstance(eps, torch.Tensor), num_warps=meta.num_warps, num_stages=1,
         **layernorm_constexprs(spec.norm, norm_bias))
+
+
+def invariant_meta(hidden: int, rows: int, comm_ctas: int) -> LaunchMeta:
+    """The launch shape with ``batch_invariant``: one-row tiles, the warps from H alone, whatever the
+    token count and the CTA count.
+
+    The kernel already adds every row's partials in rank order 0..N-1 in fp32 (each rank computes
+    every row alike: no owner's order); what T moved is the tile's row count
+    (:func:`weave_compile.kernels.shared.shapes.launch_meta`: up to 8 rows where the shard gives a
+    CTA that many), which sets the [rows, BLOCK_H] layout a row's sum of squares is reduced over on
+    the GPU. One row per tile gives every row the same reduction; only the grid varies, which
+    touches no row's arithmetic."""
+    return LaunchMeta(*warps_and_rows(hidden, rows, comm_ctas, 1, None))
 
 
 def _tl_int(dtype: torch.dtype):

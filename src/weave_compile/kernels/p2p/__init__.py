@@ -5,6 +5,12 @@ every cross-rank access a store), :mod:`.launch` its launch shapes and launcher.
 registry entry. It takes LayerNorm sites (``takes_layernorm``): the kernel's LayerNorm variant
 (the centred row's mean square as the variance, the norm bias after the weight) runs in every
 add+norm loop at RMSNorm's launch shapes, and the RMSNorm kernel is compiled as before.
+
+Batch invariance (``batch_invariant``): the kernel adds a row's partials in rank order 0..N-1 in
+fp32, its own at its rank's place (``RANK_ORDER``, a constexpr the launcher passes only with the
+option), on one launch shape for every token count and CTA count: the pipelined add+norm loop on
+one-row tiles (:func:`weave_compile.kernels.p2p.launch.invariant_meta`). The copy phases move
+bytes unchanged, so a row's outputs do not depend on the call's other rows or its owner.
 """
 
 from __future__ import annotations
@@ -38,4 +44,4 @@ IMPLEMENTATION = Implementation(
     "p2p", "push kernel: peer stores into symmetric memory, three block barriers, any NVLink/P2P machine",
     _check, _run, reserve=_reserve, workspaces=WORKSPACES,
     capacity_error=SymmCapacityError, takes_out_slot=True, takes_eps_tensor=True, takes_layernorm=True,
-    auto_rank=2)
+    batch_invariant=True, auto_rank=2)

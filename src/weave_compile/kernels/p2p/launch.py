@@ -68,7 +68,8 @@ def _prefetch_shape(hidden: int, rows_per_rank: int, comm_ctas: int, world_size:
 
 @functools.lru_cache(maxsize=4096)
 def push_meta(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
-              in_bytes: int, res_bytes: int, num_warps: Optional[int] = None) -> LaunchMeta:
+              in_bytes: int, res_bytes: int, num_warps: Optional[int] = None,
+              batch_invariant: bool = False) -> LaunchMeta:
     """The push kernel's tile shape, grid, unrolling and add+norm loop.
 
     Copy phases: as many tiles per iteration as make ~64 KB in flight per CTA, held in
@@ -85,7 +86,11 @@ def push_meta(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
     CTA. The shape does not depend on where the normed output goes (copied out or left in the
     ring): every rank compiles the same graph, and one shape won both. Nor on the norm: a LayerNorm
     takes RMSNorm's shapes (measured for RMSNorm only), which it fits without spilling (its second
-    pass is over the row already in registers; ptxas, sm_90, tests/testing/test_ptx.py)."""
+    pass is over the row already in registers; ptxas, sm_90, tests/testing/test_ptx.py).
+
+    ``batch_invariant``: :func:`invariant_meta` (one add+norm shape for every T and CTA count)."""
+    if batch_invariant:
+        return invariant_meta(hidden, rows_per_rank, comm_ctas, world_size, in_bytes, res_bytes, num_warps)
     if (num_warps is None and rowwise_fits(hidden, world_size - 1, in_bytes, res_bytes)
             and math.ceil(rows_per_rank / max(1, comm_ctas)) >= ROWWISE_WARPS):
         # (a CTA with fewer rows than warps would leave warps idle, each busy one walking its
@@ -117,17 +122,43 @@ def _copy_unroll(block_h: int, block_rows: int, grid: int, rows_per_rank: int, i
 
 @functools.lru_cache(maxsize=4096)
 def pipelined_meta(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
-                   in_bytes: int, res_bytes: int, num_warps: Optional[int] = None) -> LaunchMeta:
+                   in_bytes: int, res_bytes: int, num_warps: Optional[int] = None,
+                   max_rows: Optional[int] = None) -> LaunchMeta:
     """The push kernel's shape where no register-prefetched tile fits (or the warps are forced):
     16 warps, the add+norm loop a ``tl.range`` pipeline of as many stages (<= 3) as the
     shared-memory budget allows for the loads one iteration stages (x, N-1 partials, the
-    residual)."""
+    residual); tiles of at most ``max_rows`` rows (default: an 8K-element tile, up to 8 rows)."""
     block_h, block_rows, num_warps, grid = warps_and_rows(
-        hidden, rows_per_rank, comm_ctas, max(1, min(8, 8192 // next_pow2(hidden))), num_warps)
+        hidden, rows_per_rank, comm_ctas, max_rows or max(1, min(8, 8192 // next_pow2(hidden))), num_warps)
     norm_stage_bytes = block_rows * block_h * (world_size * in_bytes + res_bytes)
     norm_stages = max(1, min(_MAX_NORM_STAGES, _SMEM_BUDGET // norm_stage_bytes))
     return LaunchMeta(block_h, block_rows, num_warps, grid, norm_stages=norm_stages,
                       copy_unroll=_copy_unroll(block_h, block_rows, grid, rows_per_rank, in_bytes, res_bytes))
+
+
+def invariant_meta(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
+                   in_bytes: int, res_bytes: int, num_warps: Optional[int] = None) -> LaunchMeta:
+    """The push kernel's shape with ``batch_invariant``: the ``tl.range`` pipelined add+norm loop
+    on one-row tiles, whatever T and the CTA count.
+
+    A row's arithmetic must not depend on the call: the one-warp-per-row loop (picked from 8
+    rows per CTA on) adds a row's squares in chunk order, the prefetched tile adds the peers'
+    partials as a tree over a slot axis (``tl.sum``), and the tile's row count (from the rows per
+    CTA) sets the [rows, BLOCK_H] layout a row's sum of squares is reduced over. One row per tile
+    and the warps from H alone (:func:`weave_compile.kernels.shared.shapes.warps_and_rows`) give
+    every row the same reduction; the kernel adds the partials in rank order (``RANK_ORDER``).
+    Only the grid, the pipeline depth and the copy phases' unrolling vary, none of which touch a
+    row's arithmetic. The cost: the add+norm moves one row per CTA iteration where the other
+    shapes move up to 8 (not measured yet)."""
+    return pipelined_meta(hidden, rows_per_rank, comm_ctas, world_size, in_bytes, res_bytes, num_warps, 1)
+
+
+def check_invariant_meta(meta: LaunchMeta) -> None:
+    """Refuse a launch shape ``batch_invariant`` cannot keep (:func:`invariant_meta`): a loop
+    other than the pipelined one, or more than one row per add+norm tile."""
+    if meta.norm_prefetch or meta.norm_chunk or meta.block_rows * meta.norm_unroll != 1:
+        raise ValueError("p2p: batch_invariant runs the pipelined add+norm loop on one-row tiles "
+                         f"(invariant_meta), got {meta}")
 
 
 def push_constexprs(meta: LaunchMeta, **kw) -> dict:
@@ -150,6 +181,9 @@ def launch_push(ws: SymmWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Te
     ``spec.norm`` picks RMSNorm or LayerNorm, ``rows.norm_bias`` (a LayerNorm's bias, [H]) is added
     after the weight (:func:`weave_compile.kernels.shared.shapes.layernorm_constexprs`).
 
+    ``spec.batch_invariant``: the partials of a row are added in rank order in fp32
+    (``RANK_ORDER``) on :func:`invariant_meta`'s shape (a ``meta`` given must be such a shape).
+
     ``meta`` overrides the launch shape; ``phases`` and ``sync`` are the kernel's measurement /
     simulation hooks (see :mod:`.push`); ``compile_only`` compiles without launching (emulated
     ranks compile every rank's launch before enqueueing any, so no rank spins while the host
@@ -171,7 +205,10 @@ def launch_push(ws: SymmWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Te
         if normed.data_ptr() != ring.data_ptr() or normed.stride(0) != H:
             raise ValueError(f"out_slot={out_slot}: normed must be the workspace's ring slot view")
     if meta is None:
-        meta = push_meta(H, S, spec.comm_ctas, N, x.dtype.itemsize, residual_out.dtype.itemsize, num_warps)
+        meta = push_meta(H, S, spec.comm_ctas, N, x.dtype.itemsize, residual_out.dtype.itemsize, num_warps,
+                         spec.batch_invariant)
+    elif spec.batch_invariant:
+        check_invariant_meta(meta)
     consts = push_constexprs(
         meta, world_size=N, hidden=H, in_dtype=x.dtype, out_dtype=normed.dtype,
         res_dtype=residual_out.dtype, mid_dtype=spec.mid_dtype, has_bias=bias is not None,
@@ -195,6 +232,8 @@ def launch_push(ws: SymmWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Te
                   EPS_PTR=isinstance(eps, torch.Tensor),
                   num_warps=meta.num_warps, num_stages=1, **consts)
     kwargs.update(layernorm_constexprs(spec.norm, norm_bias))
+    if spec.batch_invariant:  # the partials in rank order (RMSNorm without it compiles as it did)
+        kwargs["RANK_ORDER"] = True
     if compile_only:  # compile (or find) the binary this launch would run, launch nothing
         push_allreduce_rmsnorm_kernel.warmup(*args, grid=(meta.grid,), **kwargs)
     else:

@@ -48,6 +48,14 @@ the CPU interpreter), an fp32 ulp apart in places with fp32 inputs and 3+ ranks;
 one-warp-per-row loop adds up a row's squares in its own order, so its normed rows can be an
 ulp from the others' (the residual cannot).
 
+Batch invariance (``RANK_ORDER``, the op's ``batch_invariant``): the pipelined loop adds a row's
+partials in rank order 0..N-1 in fp32, this rank's own ``x`` at its place (a pointer select on the
+run-time rank, not a branch around a load), so every owner adds a row the same way; the launcher
+then runs that loop on one-row tiles for every T
+(:func:`weave_compile.kernels.p2p.launch.invariant_meta`: the other loops' order of the peers or of
+a row's squares, and a tile's layout, move with the rows per CTA). The flag defaults off: the
+kernel without it compiles as it did.
+
 LayerNorm (``IS_LAYERNORM``, ``HAS_NORM_BIAS`` with the ``NORM_BIAS`` row: the contract's
 ``norm="layernorm"`` and its bias after the weight) is the shared body's variant in every add+norm
 loop: the row's mean subtracted after the residual's rounding, the centred row's mean square as the
@@ -217,6 +225,7 @@ if HAS_TRITON:
         NORM_DEPTH: tl.constexpr = 1, EPS_PTR: tl.constexpr = False,
         NORM_BIAS=None,  # [H]: a LayerNorm's bias, added after the weight (HAS_NORM_BIAS only)
         IS_LAYERNORM: tl.constexpr = False, HAS_NORM_BIAS: tl.constexpr = False,
+        RANK_ORDER: tl.constexpr = False,
     ):
         pid = tl.program_id(0)
         step = tl.num_programs(0) * BLOCK_ROWS
@@ -327,12 +336,29 @@ if HAS_TRITON:
                     j, rows, ok = shard_rows(j0, BLOCK_ROWS, rank, rows_per_rank, num_tokens,
                                              NORM_UNROLL, step, IDX64)
                     m = ok[:, None] & col_ok[None, :]
-                    acc = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=m,
-                                  other=0.0).to(tl.float32)
-                    for q in tl.static_range(1, WORLD_SIZE):
-                        p = (rank + q) % WORLD_SIZE
-                        acc += tl.load(in_base + (p * slot_rows + j)[:, None] * HIDDEN + cols[None, :],
-                                       mask=m, other=0.0).to(tl.float32)
+                    if RANK_ORDER:
+                        # batch_invariant: ranks 0..N-1 in order, ours at its place; a select of
+                        # the base pointer and the rows' offsets, not a branch on the run-time rank
+                        # around a load (module doc), nor a select of a whole tile of 64-bit
+                        # pointers (spills at fp32, H=8192)
+                        acc = tl.zeros((BLOCK_ROWS * NORM_UNROLL, BLOCK_H), dtype=tl.float32)
+                        for k in tl.static_range(WORLD_SIZE):  # (not `p`: a run-time value above)
+                            mine = rank == k
+                            base = tl.where(mine, X, in_base + k * slot_rows * HIDDEN)
+                            row_at = tl.where(mine, rows * stride_x_row, j * HIDDEN)
+                            term = tl.load(base + row_at[:, None] + cols[None, :], mask=m,
+                                           other=0.0).to(tl.float32)
+                            if k == 0:
+                                acc = term
+                            else:
+                                acc += term
+                    else:  # ours, then the peers from rank + 1 on
+                        acc = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=m,
+                                      other=0.0).to(tl.float32)
+                        for q in tl.static_range(1, WORLD_SIZE):
+                            p = (rank + q) % WORLD_SIZE
+                            acc += tl.load(in_base + (p * slot_rows + j)[:, None] * HIDDEN + cols[None, :],
+                                           mask=m, other=0.0).to(tl.float32)
                     res, normed = add_norm(acc, j, rows, m, cols, RESIDUAL, stride_res_row, bias, w,
                                            eps, HIDDEN, RES_DTYPE, OUT_DTYPE, MID_DTYPE, HAS_BIAS,
                                            HAS_RESIDUAL, HAS_WEIGHT, HAS_MID, RESIDUAL_IN_SHARDED, nb,
