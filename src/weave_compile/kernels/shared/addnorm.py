@@ -140,7 +140,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _store_normed(NORMED, QSCALES, rows, cols, m, n_valid, stride_normed_row, normed, qstatic,
-                      QUANT: tl.constexpr, Q_DTYPE: tl.constexpr, Q_MAX: tl.constexpr, Q_FLOOR: tl.constexpr,
+                      QUANT: tl.constexpr, Q_INV_MAX: tl.constexpr, Q_FLOOR: tl.constexpr,
                       Q_RECIP: tl.constexpr, Q_SAT: tl.constexpr, Q_SDTYPE: tl.constexpr, Q_MBITS: tl.constexpr,
                       Q_BIAS: tl.constexpr, INTERPRET: tl.constexpr):
         """Store a block's normed rows where ``m``: as they are, or (``QUANT`` 1: per row, 2: static)
@@ -150,7 +150,7 @@ if HAS_TRITON:
         if QUANT == 0:
             tl.store(ptr, normed, mask=m)
         else:
-            code, sc = quant_tile(normed, qstatic, Q_DTYPE, Q_MAX, Q_FLOOR, QUANT == 1, Q_RECIP, Q_SAT, Q_SDTYPE,
+            code, sc = quant_tile(normed, qstatic, Q_INV_MAX, Q_FLOOR, QUANT == 1, Q_RECIP, Q_SAT, Q_SDTYPE,
                                   Q_MBITS, Q_BIAS, INTERPRET)
             tl.store(ptr, code.to(tl.uint8), mask=m)
             if QUANT == 1:
@@ -165,7 +165,7 @@ if HAS_TRITON:
                    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, nb=None,
                    IS_LAYERNORM: tl.constexpr = False, HAS_NORM_BIAS: tl.constexpr = False,
                    QSCALES=None, qstatic=0.0, QUANT: tl.constexpr = 0,
-                   Q_DTYPE: tl.constexpr = None, Q_MAX: tl.constexpr = 1.0, Q_FLOOR: tl.constexpr = 0.0,
+                   Q_INV_MAX: tl.constexpr = 1.0, Q_FLOOR: tl.constexpr = 0.0,
                    Q_RECIP: tl.constexpr = False, Q_SAT: tl.constexpr = 1.0, Q_SDTYPE: tl.constexpr = None,
                    Q_MBITS: tl.constexpr = 3, Q_BIAS: tl.constexpr = 7, INTERPRET: tl.constexpr = False,
                    OWN: tl.constexpr = -1):
@@ -198,8 +198,8 @@ if HAS_TRITON:
         # rows past n_valid loaded every input as 0: zero already unless a bias or scale moves them
         store_residual_shard(RES_OUT, rows, res, m, cmask, cols, n_res_rows, stride_res_out_row,
                              HAS_BIAS or HAS_SCALE)
-        _store_normed(NORMED, QSCALES, rows, cols, m, n_valid, stride_normed_row, normed, qstatic, QUANT, Q_DTYPE,
-                      Q_MAX, Q_FLOOR, Q_RECIP, Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET)
+        _store_normed(NORMED, QSCALES, rows, cols, m, n_valid, stride_normed_row, normed, qstatic, QUANT,
+                      Q_INV_MAX, Q_FLOOR, Q_RECIP, Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET)
 
     @triton.jit
     def _block_loads(X, RECV, RES_IN, blk, n_valid, stride_x_row, stride_recv_slot, stride_res_in_row,
@@ -242,7 +242,7 @@ if HAS_TRITON:
                       HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                       nb=None, IS_LAYERNORM: tl.constexpr = False, HAS_NORM_BIAS: tl.constexpr = False,
                       QSCALES=None, qstatic=0.0, QUANT: tl.constexpr = 0,
-                      Q_DTYPE: tl.constexpr = None, Q_MAX: tl.constexpr = 1.0, Q_FLOOR: tl.constexpr = 0.0,
+                      Q_INV_MAX: tl.constexpr = 1.0, Q_FLOOR: tl.constexpr = 0.0,
                       Q_RECIP: tl.constexpr = False, Q_SAT: tl.constexpr = 1.0, Q_SDTYPE: tl.constexpr = None,
                       Q_MBITS: tl.constexpr = 3, Q_BIAS: tl.constexpr = 7, INTERPRET: tl.constexpr = False):
         """The math and stores of a row block whose inputs :func:`_block_loads` loaded."""
@@ -256,8 +256,8 @@ if HAS_TRITON:
         # rows past n_valid loaded every input as 0: zero already unless a bias or scale moves them
         store_residual_shard(RES_OUT, rows, res, m, cmask, cols, n_res_rows, stride_res_out_row,
                              HAS_BIAS or HAS_SCALE)
-        _store_normed(NORMED, QSCALES, rows, cols, m, n_valid, stride_normed_row, normed, qstatic, QUANT, Q_DTYPE,
-                      Q_MAX, Q_FLOOR, Q_RECIP, Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET)
+        _store_normed(NORMED, QSCALES, rows, cols, m, n_valid, stride_normed_row, normed, qstatic, QUANT,
+                      Q_INV_MAX, Q_FLOOR, Q_RECIP, Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET)
 
     # The row counts are not specialized (a count of 1, or one divisible by 16, would otherwise be
     # a binary of its own): a new token count must never compile or load a kernel at run time
@@ -274,8 +274,8 @@ if HAS_TRITON:
         SLOTS_P2: tl.constexpr = 1, CHUNK: tl.constexpr = 0, DEPTH: tl.constexpr = 1,
         HAS_ABORT: tl.constexpr = False, EPS_PTR: tl.constexpr = False,
         NORM_BIAS=None, IS_LAYERNORM: tl.constexpr = False, HAS_NORM_BIAS: tl.constexpr = False,
-        QSCALES=None, QSTATIC=None, QUANT: tl.constexpr = 0, Q_DTYPE: tl.constexpr = None,
-        Q_MAX: tl.constexpr = 1.0, Q_FLOOR: tl.constexpr = 0.0, Q_RECIP: tl.constexpr = False,
+        QSCALES=None, QSTATIC=None, QUANT: tl.constexpr = 0,
+        Q_INV_MAX: tl.constexpr = 1.0, Q_FLOOR: tl.constexpr = 0.0, Q_RECIP: tl.constexpr = False,
         Q_SAT: tl.constexpr = 1.0, Q_SDTYPE: tl.constexpr = None, Q_MBITS: tl.constexpr = 3,
         Q_BIAS: tl.constexpr = 7, OWN: tl.constexpr = -1,
     ):
@@ -346,8 +346,8 @@ if HAS_TRITON:
                 _block_finish(cx, crecv, cres, NORMED, RES_OUT, blk, n_valid, n_res_rows, stride_normed_row,
                               stride_res_out_row, eps, w, b, s, cols, cmask, BLOCK_ROWS, HIDDEN, RES_DTYPE,
                               OUT_DTYPE, MID_DTYPE, HAS_MID, HAS_SCALE or HAS_ABORT, HAS_BIAS, HAS_RESIDUAL,
-                              HAS_WEIGHT, nb, IS_LAYERNORM, HAS_NORM_BIAS, QSCALES, qstatic, QUANT, Q_DTYPE,
-                              Q_MAX, Q_FLOOR, Q_RECIP, Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET)
+                              HAS_WEIGHT, nb, IS_LAYERNORM, HAS_NORM_BIAS, QSCALES, qstatic, QUANT,
+                              Q_INV_MAX, Q_FLOOR, Q_RECIP, Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET)
                 blk += nprog
         elif INTERPRET:
             # Triton 3.6's interpreter cannot take runtime bounds in tl.range (numpy >= 2): same body.
@@ -357,7 +357,7 @@ if HAS_TRITON:
                            stride_recv_slot, stride_res_in_row, stride_normed_row, stride_res_out_row, eps, w, b,
                            s, cols, cmask, NUM_SLOTS, HIDDEN, BLOCK_ROWS, RES_DTYPE, OUT_DTYPE, MID_DTYPE,
                            HAS_MID, HAS_SCALE or HAS_ABORT, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, nb, IS_LAYERNORM,
-                           HAS_NORM_BIAS, QSCALES, qstatic, QUANT, Q_DTYPE, Q_MAX, Q_FLOOR, Q_RECIP,
+                           HAS_NORM_BIAS, QSCALES, qstatic, QUANT, Q_INV_MAX, Q_FLOOR, Q_RECIP,
                            Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET, OWN)
                 blk += nprog
         else:
@@ -367,7 +367,7 @@ if HAS_TRITON:
                            stride_recv_slot, stride_res_in_row, stride_normed_row, stride_res_out_row, eps, w, b,
                            s, cols, cmask, NUM_SLOTS, HIDDEN, BLOCK_ROWS, RES_DTYPE, OUT_DTYPE, MID_DTYPE,
                            HAS_MID, HAS_SCALE or HAS_ABORT, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, nb, IS_LAYERNORM,
-                           HAS_NORM_BIAS, QSCALES, qstatic, QUANT, Q_DTYPE, Q_MAX, Q_FLOOR, Q_RECIP,
+                           HAS_NORM_BIAS, QSCALES, qstatic, QUANT, Q_INV_MAX, Q_FLOOR, Q_RECIP,
                            Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET, OWN)
 
 else:  # pragma: no cover

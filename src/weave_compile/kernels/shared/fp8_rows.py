@@ -1,27 +1,30 @@
 """The fp8 epilogue's device body: a tile of normed rows to fp8 codes and row scales.
 
 The contract is :mod:`weave_compile.quant` (its :func:`~weave_compile.quant.quantize_rows` is
-the torch twin, bit for bit): per row ``s = max(amax(|y|) / fp8_max, floor)`` (rounded to the
-scale dtype where the model divides in bf16), or the static scale; ``q = y / s`` or
-``y * (1 / s)``, clamped to ``+-fp8_max`` where the model clamps, then rounded to fp8.
+the torch twin, bit for bit): per row ``s = max(amax(|y|) * r, floor)`` with ``r`` = 1 / fp8_max
+rounded to fp32 (rounded to the scale dtype where the model divides in bf16), or the static scale;
+``q = y / s`` or ``y * (1 / s)``, clamped to ``+-fp8_max`` where the model clamps, then rounded
+to fp8.
 
-Bit-exact to torch's casts, not only close:
+Bit-exact to torch, not only close:
 
-- every quotient is IEEE-rounded (``tl.div_rn``): Triton's ``/`` on fp32 is an approximate
-  division on GPUs, and one ulp in a row scale moves codes across rounding boundaries;
+- the row scale multiplies by ``r``, as torch does when it divides a CUDA tensor by a Python
+  number (a true quotient was an ulp off torch's on an H100); every other quotient is
+  IEEE-rounded (``tl.div_rn``: Triton's ``/`` on fp32 is an approximate division on GPUs), since
+  one ulp in a scale moves codes across rounding boundaries;
 - NaN propagates through the row's amax and the clamp as in torch (``amax`` and ``clamp`` keep
   a NaN; Triton's max reduction and ``minimum`` would drop it);
-- the fp8 rounding: round to nearest even, saturating at the format's largest finite value (what
-  the hardware conversion does, and hence the model's own compiled chain on GPUs; torch's eager
-  cast differs only for values past the range without a clamp, by version: NaN in e4m3fn on
-  2.11, saturated on 2.13's CPU build, infinity in e5m2), NaN kept with its sign. On GPUs the
-  hardware conversion; under Triton's interpreter the same rounding in integer arithmetic
-  (:func:`fp8_bits`), because the interpreter's cast does not carry a mantissa round-up into
-  the exponent (124.3 became 64, not 128, in e4m3fn) and its bf16 cast truncates
-  (:func:`bf16_round` rounds a bf16 row scale there).
+- the fp8 rounding: round to nearest even, saturating at the format's largest finite value
+  (torch's eager cast differs only for values past the range without a clamp, by version: NaN in
+  e4m3fn on 2.11, saturated on 2.13's CPU build, infinity in e5m2), NaN kept. Done in integer
+  arithmetic on the fp32 bits (:func:`fp8_bits`) everywhere: on an H100 Triton's fp32->fp8
+  conversion put 0.1% of codes a step away from round-to-nearest-even (176 where torch gives
+  160), and the interpreter's cast does not carry a mantissa round-up into the exponent (124.3
+  became 64, not 128, in e4m3fn). The interpreter's bf16 cast truncates: :func:`bf16_round`
+  rounds a bf16 row scale there.
 
 Codes are produced as their bytes (int32 0..255, stored through a uint8 view of the output), so
-both paths store the same thing and no fp8 type crosses the interpreter.
+no fp8 type crosses the kernel's stores.
 """
 
 from __future__ import annotations
@@ -40,9 +43,8 @@ def quant_constexprs(quant, out_dtype: torch.dtype) -> dict:
     from .common import tl_dtype
 
     mbits, bias, finite = _FORMATS[quant.dtype]
-    return dict(QUANT=1 if quant.kind == "row" else 2,
-                Q_DTYPE=tl.float8e4nv if quant.dtype == torch.float8_e4m3fn else tl.float8e5,
-                Q_MAX=float(quant.inverse_max), Q_FLOOR=float(quant.floor), Q_RECIP=bool(quant.reciprocal),
+    return dict(QUANT=1 if quant.kind == "row" else 2, Q_INV_MAX=float(quant.inverse_max),
+                Q_FLOOR=float(quant.floor), Q_RECIP=bool(quant.reciprocal),
                 Q_SDTYPE=tl_dtype(quant.scale_dtype), Q_MBITS=mbits, Q_BIAS=bias,
                 Q_SAT=float(quant.fp8_max) if quant.clamp else finite)
 
@@ -85,12 +87,13 @@ if HAS_TRITON:
             return v.to(Q_SDTYPE).to(tl.float32)
 
     @triton.jit
-    def quant_tile(y, qstatic, Q_DTYPE: tl.constexpr, Q_MAX: tl.constexpr, Q_FLOOR: tl.constexpr,
+    def quant_tile(y, qstatic, Q_INV_MAX: tl.constexpr, Q_FLOOR: tl.constexpr,
                    ROW: tl.constexpr, Q_RECIP: tl.constexpr, Q_SAT: tl.constexpr, Q_SDTYPE: tl.constexpr,
                    Q_MBITS: tl.constexpr, Q_BIAS: tl.constexpr, INTERPRET: tl.constexpr):
         """``(codes [R, BLOCK_H] int32 bytes, scales [R] fp32)`` of the normed tile ``y`` (already
         rounded to the op's output dtype; padding columns 0); ``ROW``: a per-row dynamic scale (its
-        quotient by ``Q_MAX`` rounded to ``Q_SDTYPE`` and floored at ``Q_FLOOR``), else the static
+        amax times ``Q_INV_MAX``, 1 / fp8_max in fp32, rounded to ``Q_SDTYPE`` and floored at
+        ``Q_FLOOR``), else the static
         ``qstatic`` (an fp32 scalar); ``Q_SAT``: the clamp bound (the model's ``fp8_max``, or the
         format's largest finite value where the model does not clamp)."""
         yf = y.to(tl.float32)
@@ -98,7 +101,7 @@ if HAS_TRITON:
             amax = tl.max(tl.abs(yf), axis=1)
             has_nan = tl.max((yf != yf).to(tl.int32), axis=1) > 0
             amax = tl.where(has_nan, float("nan"), amax)
-            s = to_scale_dtype(amax * Q_MAX, Q_SDTYPE, INTERPRET)  # Q_MAX: 1 / fp8_max in fp32 (quant.py)
+            s = to_scale_dtype(amax * Q_INV_MAX, Q_SDTYPE, INTERPRET)
             s = tl.maximum(s, tl.full(s.shape, Q_FLOOR, tl.float32), propagate_nan=tl.PropagateNan.ALL)
             s = to_scale_dtype(s, Q_SDTYPE, INTERPRET)
         else:
