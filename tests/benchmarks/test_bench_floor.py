@@ -150,7 +150,11 @@ def test_a_smoke_run_on_cpu_writes_every_part(tmp_path):
     assert all(r["ratio_vs_default"] for r in rows if r["scope"] == "model")
     decode = {r["variant"]: r for r in rows if r["scope"] == "decode"}
     assert decode["default"]["tokens_equal"] == "True" and decode["auto"]["tokens_equal"] == "True", decode
-    assert float(decode["auto"]["ms_per_step"]) > 0
+    # A step is the difference of two generate() timings; on a loaded 2-core machine noise can exceed
+    # it: then the row must say so instead of carrying a time <= 0.
+    for r in decode.values():
+        assert (float(r["ms_per_step"]) > 0 and float(r["spread"]) >= 0) if r["ms_per_step"] else \
+            ("step time not resolved" in r["note"] and not r["ratio_vs_default"]), r
     # nccl cannot run on CPU: its row says that reference ran
     assert decode["nccl"]["kernel"] == "reference" and decode["nccl"]["tokens_equal"] == "True"
 

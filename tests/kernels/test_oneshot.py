@@ -2,7 +2,8 @@
 
 CPU: the real kernel under Triton's interpreter (``TRITON_INTERPRET=1``), one spawned process per
 rank (gloo only for the start/end barriers), every rank's buffer a shared file mapped by every
-process (the CPU stand-in for symmetric memory). Back-to-back calls with changing T rotate the
+process (the CPU stand-in for symmetric memory; the interpreter's volatile 2-byte loads made whole,
+as the GPU's are: ``weave_compile.testing.interpreter_memory``). Back-to-back calls with changing T rotate the
 slots past 3 and re-poison slots of different sizes; inputs hold -0.0 (the sentinel pattern).
 GPU (``test_oneshot_gpu.py``): emulated ranks on one GPU, sharing this file's case machinery.
 """
@@ -21,6 +22,7 @@ from weave_compile.kernels.oneshot import kernel as oneshot_kernel
 from weave_compile.kernels.oneshot import workspace as oneshot_ws
 from weave_compile.kernels.spec import FusedSpec, Rows
 from weave_compile.kernels.reference import allreduce_add_rmsnorm_ref
+from weave_compile.testing.interpreter_memory import single_copy_volatile_loads
 from weave_compile.testing.multiprocess import assert_ranks_ok, run_ranks
 
 from . import _layernorm_cases as lc
@@ -228,6 +230,7 @@ def _capacity(calls, world):
 
 def _sim_rank(rank, world, files, groups, seed):
     assert os.environ.get("TRITON_INTERPRET") == "1"
+    single_copy_volatile_loads()  # a peer's element is read whole, as on the GPU (interpreter_memory.py)
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -299,6 +302,7 @@ LN_GROUPS = [
 def _ln_sim_rank(rank, world, files, groups, seed):
     """This rank's outputs of every LayerNorm call of ``groups`` (their checks need every rank's)."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
+    single_copy_volatile_loads()  # a peer's element is read whole, as on the GPU (interpreter_memory.py)
     import torch.distributed as dist
 
     torch.set_num_threads(1)

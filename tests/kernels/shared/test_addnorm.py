@@ -136,10 +136,9 @@ def test_layernorm_property_against_float64():
     _interpret(_PROPERTY_CHILD, 40)
 
 
-def _ptxas_report(args, kwargs) -> str:
-    """ptxas -v's report for the kernel compiled for sm_90 with ``kernel_args``' ``(args, kwargs)``."""
-    import tempfile
-
+def compile_sm90(args, kwargs) -> dict:
+    """The kernel's compiled stages (``asm``: ttgir, ptx, ...) for sm_90 with ``kernel_args``'
+    ``(args, kwargs)``, on any machine (Triton compiles without a GPU)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -150,8 +149,16 @@ def _ptxas_report(args, kwargs) -> str:
     backend = make_backend(target)
     bound, spec, opts = create_function_from_signature(k.signature, k.params, backend)(*args, **kwargs)
     options, signature, constexprs, attrs = k._pack_args(backend, kwargs, bound, spec, opts)
-    ptx = triton.compile(ASTSource(k, signature, constexprs, attrs), target=target,
-                         options=options.__dict__).asm["ptx"]
+    return triton.compile(ASTSource(k, signature, constexprs, attrs), target=target, options=options.__dict__).asm
+
+
+def _ptxas_report(args, kwargs) -> str:
+    """ptxas -v's report for the kernel compiled for sm_90 with ``kernel_args``' ``(args, kwargs)``."""
+    import tempfile
+
+    import triton
+
+    ptx = compile_sm90(args, kwargs)["ptx"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()

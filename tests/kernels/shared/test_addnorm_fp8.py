@@ -6,11 +6,12 @@ without the epilogue), and against the float64 oracle (one step at a rounding bo
 ``_addnorm_cases.check_quant_rows``. Each form the fuse pass records (per row with fp32 or bf16
 quotients, a floor, the reciprocal; static with and without the clamp; e4m3fn and e5m2), in the
 tile loops a quantizing launch takes (pipelined, prefetched), RMSNorm and LayerNorm, received
-slots or none; drawn shapes; rows spanning ten decades with a NaN and an infinity. The interpreter
-runs the epilogue's integer rounding path (the GPU runs the hardware conversion: the GPU test
-``test_addnorm_fp8_gpu.py`` checks that one the same way); a test here checks the integer rounding
-itself against torch's cast on every fp32 pattern class. The kernel also compiles for sm_90 at the
-default shapes with the epilogue on (no spills). Outputs are poisoned before each launch.
+slots or none; drawn shapes; rows spanning ten decades with a NaN and an infinity. The epilogue's fp8
+rounding is integer arithmetic on the fp32 bits, on GPUs as here (Triton's conversion put 0.1% of
+codes a step off on one H100; ``test_addnorm_fp8_gpu.py`` checks the GPU the same way); a test here
+checks the integer rounding itself against torch's cast on every fp32 pattern class. The kernel also
+compiles for sm_90 at the default shapes with the epilogue on (no spills), reducing every row in the
+layout the kernel without the epilogue reduces it in. Outputs are poisoned before each launch.
 """
 
 from __future__ import annotations
@@ -184,3 +185,52 @@ def test_the_epilogue_compiles_for_sm90_without_spills(H, kind):
         assert kw["QUANT"] == (1 if kind == "row" else 2)
         report = _ptxas_report(args, kw)
         assert "Used" in report and " 0 bytes spill stores" in report, (cfg, report)
+
+
+def _reduce_layouts(ttgir: str) -> list[str]:
+    """Each ``tt.reduce``'s operand type in ``ttgir`` with its layout alias spelled out (aliases
+    are numbered per module), in program order."""
+    import re
+
+    aliases = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ttgir, re.M))
+    types = re.findall(r"^\s*\}\) : \((tensor<[^)]*>)\) -> ", ttgir, re.M)
+    return [re.sub(r"#\w+", lambda a: aliases.get(a.group(0), a.group(0)), t) for t in types]
+
+
+@pytest.mark.parametrize("H,rows_per_cta,slots,dts,norm", [
+    (8192, 1, 0, ("bf16", "bf16", "bf16"), "rmsnorm"),  # nccl at 70B, a few rows a CTA (one-row tiles)
+    (8192, 64, 0, ("bf16", "fp32", "bf16"), "layernorm"),
+    (4096, 64, 0, ("bf16", "bf16", "bf16"), "rmsnorm"),  # two-row tiles
+    (4096, 1, 1, ("bf16", "bf16", "bf16"), "rmsnorm"),  # ce: a received slot
+    (5120, 64, 0, ("fp32", "fp32", "bf16"), "rmsnorm"),  # pipelined, fp32 rows
+    (2048, 8, 0, ("bf16", "bf16", "fp32"), "layernorm"),  # normed in fp32 before the codes
+])
+def test_the_epilogue_reduces_each_row_as_the_kernel_without_it(H, rows_per_cta, slots, dts, norm):
+    """The epilogue's codes are the quantized normed rows of the same launch without it, bit for
+    bit, only if both reduce a row's sums (mean, square) in one order: the same layout for each
+    reduction compiled for sm_90 (one byte a code would otherwise widen the whole tile's layout:
+    seen as codes a step off at 70B on one H100). Checked on the ttgir of both kernels."""
+    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    x_dt, res_dt, out_dt = (dt[d] for d in dts)
+    cfg = addnorm.launch_config(H, slots=slots, rows_per_cta=rows_per_cta, quant=True, elem_bytes=x_dt.itemsize,
+                                res_bytes=res_dt.itemsize)
+    assert cfg.chunk == 0
+    rows = 16
+    base = (torch.empty(rows, H, dtype=x_dt), torch.empty(slots, rows, H, dtype=x_dt) if slots else None,
+            torch.empty(rows, H, dtype=res_dt), None, torch.empty(H, dtype=x_dt), None, None)
+    variant = dict(norm=norm, norm_bias=torch.empty(H, dtype=x_dt) if norm == "layernorm" else None)
+    from tests.kernels.shared.test_addnorm import compile_sm90
+
+    plain = compile_sm90(*addnorm.kernel_args(base + (torch.empty(rows, H, dtype=out_dt),
+                                                      torch.empty(rows, H, dtype=res_dt)),
+                                              rows, rows, 1e-5, None, 0.0, cfg, slots, **variant))["ttgir"]
+    for kind in ("row", "static"):
+        quant = QuantSpec(kind, torch.float8_e4m3fn, 448.0, 1e-12 if kind == "row" else 0.0, kind == "row")
+        q = compile_sm90(*addnorm.kernel_args(base + (torch.empty(rows, H, dtype=torch.float8_e4m3fn),
+                                                      torch.empty(rows, H, dtype=res_dt)),
+                                              rows, rows, 1e-5, None, 0.0, cfg, slots, quant=quant,
+                                              quant_scale=torch.ones(1), row_scales=torch.empty(rows, 1),
+                                              out_dtype=out_dt, **variant))["ttgir"]
+        want, got = _reduce_layouts(plain), _reduce_layouts(q)
+        assert len(want) >= (2 if norm == "layernorm" else 1), want  # (the slots' sum,) (the mean,) the squares
+        assert got[:len(want)] == want, (kind, want, got)

@@ -152,7 +152,13 @@ if HAS_TRITON:
         else:
             code, sc = quant_tile(normed, qstatic, Q_INV_MAX, Q_FLOOR, QUANT == 1, Q_RECIP, Q_SAT, Q_SDTYPE,
                                   Q_MBITS, Q_BIAS, INTERPRET)
-            tl.store(ptr, code.to(tl.uint8), mask=m)
+            # The codes' store vectorized as the normed rows' store is without the epilogue (16 bytes
+            # of them a thread): one byte each, they would get 16 elements a thread, which Triton's
+            # layout choice spreads back to the whole tile, so the row's sum of squares would be
+            # reduced in another order than the kernel without the epilogue reduces it (its normed
+            # rows then differ in the last bit now and then, and with them a code).
+            VEC: tl.constexpr = 128 // normed.dtype.primitive_bitwidth
+            tl.store(tl.multiple_of(ptr, [1, VEC]), code.to(tl.uint8), mask=m)
             if QUANT == 1:
                 tl.store(QSCALES + rows, sc, mask=rows < n_valid)
 
