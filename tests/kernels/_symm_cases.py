@@ -215,6 +215,31 @@ def run_script(path, args, timeout, env=None):
     return proc.returncode, out
 
 
+def assert_interpreted_run(path, args, marker: str, timeout: float = 900) -> None:
+    """Run test file ``path`` as a script under ``TRITON_INTERPRET=1`` (its :func:`interpreted_main`)
+    and require a zero exit and ``marker`` in what it printed."""
+    rc, out = run_script(path, args, timeout=timeout, env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert rc == 0, out[-8000:]
+    assert marker in out, out[-8000:]
+
+
+def interpreted_main(main, prop=None) -> None:
+    """A test file's ``__main__`` under the interpreter: ``main(world, seed)`` from ``--world`` and
+    ``--seed`` (default 2 and 0), or ``prop(examples)`` with ``--property N``; exits with its code."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("set TRITON_INTERPRET=1")
+    from weave_compile.testing.emulated_ranks import interpreter_compat
+
+    interpreter_compat()
+
+    def arg(name, default):
+        return int(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
+
+    if prop is not None and "--property" in sys.argv:
+        sys.exit(prop(arg("--property", 0)))
+    sys.exit(main(arg("--world", 2), arg("--seed", 0)))
+
+
 def stub_workspace_allocation(monkeypatch, module) -> list:
     """Let ``module.get_workspace`` (oneshot.workspace, ce.workspace) run on CPU: its allocation records a
     stand-in with the capacity asked for (the list returned), no capture, a 2-rank group."""

@@ -106,7 +106,7 @@ def _errors(rank, world):
     quant = dict(quant="row", quant_dtype=torch.float8_e4m3fn, quant_max=448.0)
     x = torch.randn(4, H)
     out = {}
-    for name, args in (("p2p takes no epilogue", dict(kernel="p2p", **quant)),
+    for name, args in (("oneshot takes no epilogue", dict(kernel="oneshot", **quant)),
                        ("static without a scale", dict(kernel="reference", **{**quant, "quant": "static"})),
                        ("row with a scale", dict(kernel="reference", quant_scale=torch.tensor(1.0), **quant)),
                        ("not fp8", dict(kernel="reference", **{**quant, "quant_dtype": torch.bfloat16}))):
@@ -123,7 +123,7 @@ def _errors(rank, world):
 
 def test_bad_epilogue_arguments_are_named():
     errors = assert_ranks_ok(run_ranks(_errors, 2, timeout=TIMEOUT))[0]
-    assert "has no fp8 epilogue" in errors["p2p takes no epilogue"], errors
+    assert "has no fp8 epilogue" in errors["oneshot takes no epilogue"], errors
     assert "quant_scale is given with quant='static' and only then" in errors["static without a scale"], errors
     assert "quant_scale is given" in errors["row with a scale"], errors
     assert "quant_dtype must be one of" in errors["not fp8"], errors

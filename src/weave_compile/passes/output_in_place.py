@@ -243,6 +243,9 @@ class OutputInPlacePass(WeavePass):
             if not all(kernels.get(d).takes_out_slot for d in dispatch.designs(args["kernel"])):
                 outcome[node] = f"copied (kernel {args['kernel']} returns a fresh tensor)"
                 continue
+            if args.get("quant"):  # the ring holds rows of the output dtype, not fp8 codes
+                outcome[node] = "copied (the fp8 epilogue returns fresh fp8 rows)"
+                continue
             if "should_fallback" in node.meta or node.meta.get("custom", {}).get("fallback_to_eager"):
                 # Inductor lowers such a node without our lowering: nothing marks it never-reuse
                 outcome[node] = "copied (annotated to fall back to eager)"

@@ -155,8 +155,11 @@ def push_allreduce_rmsnorm(ranks: EmulatedRanks, xs: Sequence[torch.Tensor],
                            residual_out_sharded: bool = False, comm_ctas: int = 8,
                            outputs: Optional[list] = None, out_slot: int = -1, meta=None, phases: int = 7,
                            num_warps: Optional[int] = None, eps_tensor: Optional[torch.Tensor] = None,
-                           norm_bias: Optional[torch.Tensor] = None, **spec_kw) -> list:
-    """The push kernel on every emulated rank: ``[(normed, residual_out)]`` per rank.
+                           norm_bias: Optional[torch.Tensor] = None, quant=None,
+                           quant_scale: Optional[torch.Tensor] = None, **spec_kw) -> list:
+    """The push kernel on every emulated rank: ``[(normed, residual_out)]`` per rank, with
+    ``quant`` (a :class:`weave_compile.quant.QuantSpec`: the fp8 epilogue; ``quant_scale`` its
+    static scale) ``[(fp8 rows, residual_out, row scales [T, 1] or None)]``.
 
     ``residuals[r]`` is rank r's residual input ([T, H], or its [S, H] shard with
     ``residual_in_sharded=True``).  ``outputs`` (from an earlier call) are written in place
@@ -176,20 +179,25 @@ def push_allreduce_rmsnorm(ranks: EmulatedRanks, xs: Sequence[torch.Tensor],
         raise ValueError(f"{T} rows need capacity {S * N}, emulated workspace has {ws0.capacity}")
     if outputs is None:
         outputs = [(ring_output(ws, out_slot, T) if out_slot >= 0 else
-                    torch.empty((T, H), dtype=ws0.out_dtype, device=ranks.device),
+                    torch.empty((T, H), dtype=ws0.out_dtype if quant is None else quant.dtype, device=ranks.device),
                     torch.empty((S if residual_out_sharded else T, H), dtype=ws0.res_dtype,
                                 device=ranks.device)) for ws in ranks.workspaces]
+        if quant is not None:
+            outputs = [o + (torch.empty((T, 1), device=ranks.device) if quant.kind == "row" else None,)
+                       for o in outputs]
     spec = FusedSpec(residual_dtype=ws0.res_dtype, out_dtype=ws0.out_dtype, group_name="emulated",
                      residual_out_sharded=residual_out_sharded, comm_ctas=comm_ctas, out_slot=out_slot,
-                     **spec_kw)
+                     quant=quant, **spec_kw)
     meta = meta or launch.push_meta(H, S, comm_ctas, N, xs[0].dtype.itemsize, ws0.res_dtype.itemsize, num_warps,
-                                    spec.batch_invariant)
+                                    spec.batch_invariant, quant is not None)
     ranks.check_coresident(meta.grid)
 
     def one(r, ws, phases=phases, sync=True, compile_only=False):
-        normed, res_out = outputs[r]
-        launch.launch_push(ws, Rows(xs[r], residuals[r], bias, weight, eps_tensor=eps_tensor, norm_bias=norm_bias),
-                           spec, normed, res_out, meta=meta, phases=phases, sync=sync, compile_only=compile_only)
+        normed, res_out = outputs[r][:2]
+        launch.launch_push(ws, Rows(xs[r], residuals[r], bias, weight, eps_tensor=eps_tensor, norm_bias=norm_bias,
+                                    quant_scale=quant_scale),
+                           spec, normed, res_out, meta=meta, phases=phases, sync=sync, compile_only=compile_only,
+                           scales=outputs[r][2] if quant is not None else None)
         return outputs[r]
 
     if interpreting() or ranks.device.type != "cuda":

@@ -131,6 +131,8 @@ def compile_variant_ptx(kernel: str, dtype: torch.dtype, hidden: int,
         meta = launch_meta(hidden, rows_per_rank, comm_ctas, num_warps)
         consts = pull_constexprs(kernel == "pull_multimem", block_h=meta.block_h,
                                         block_rows=int(block_rows or meta.block_rows), **flags)
+    # A constexpr not given takes its default, as at a launch (not None: `QUANT > 0` must hold 0).
+    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
     signature = {name: (runtime_sig[name] if name in runtime_sig else "constexpr")
                  for name in fn.arg_names}
     # What the JIT would specialise at launch: 16-byte aligned pointers and strides.

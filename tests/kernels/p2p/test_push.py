@@ -8,7 +8,8 @@ back-to-back calls; CUDA-graph capture and replay with new data.  A spin limit t
 that never completes into a failure (the status word), not a hang.  The 2-GPU tests of the
 real symmetric-memory path are in test_launch.py; the CPU interpreter run of this driver is in
 tests/testing/test_emulated_ranks.py. The LayerNorm variant runs here in every add+norm loop kind,
-forced, with 2 and 3 ranks (its CPU interpreter test: test_push_layernorm.py).
+forced, with 2 and 3 ranks (its CPU interpreter test: test_push_layernorm.py); the fp8 epilogue
+against its own normed rows quantized, bit for bit (its CPU interpreter test: test_push_fp8.py).
 """
 
 from __future__ import annotations
@@ -307,3 +308,44 @@ def test_push_batch_invariant_rows_on_the_gpu(N, H, seed):
     differ = [not (bic.same_bits(n, alone[0]) and bic.same_bits(r, alone[1]))
               for n, r in (row(T, pos, 8, False, False) for T, pos in ((9, 8), (9, 4), (4099, 4098), (4099, 2050)))]
     assert any(differ), "without the option no owner shows in the bits: this test would prove nothing"
+
+
+def _fp8_cases():
+    """(world, case, loop kind, epilogue form index): model H, T past a multiple of the ranks, the
+    residual forms, RMSNorm and LayerNorm, each tile loop; 2 and 3 ranks; the rank-order loop."""
+    return [
+        (2, lc.ln_case(4099, 4096, "bf16", norm="rmsnorm", offset=0.0, norm_bias=False, ctas=16), "default", 0),
+        (2, lc.ln_case(4099, 8192, "bf16", res="shard_both", norm="rmsnorm", offset=0.0, norm_bias=False, ctas=16),
+         "pipelined", 1),
+        (2, lc.ln_case(257, 4096, "bf16", res="shard_both", ctas=8), "prefetch", 2),  # LayerNorm
+        (3, lc.ln_case(257, 5120, "bf16", res="first", norm="rmsnorm", offset=0.0, norm_bias=False, ctas=8),
+         "default", 3),
+        (2, lc.ln_case(1000, 4096, "fp32", res="shard_in", out_dtype="bf16", norm="rmsnorm", offset=0.0,
+                       norm_bias=False, ctas=8), "default", 4),
+        (2, lc.ln_case(3, 4096, "bf16", norm="rmsnorm", offset=0.0, norm_bias=False, ctas=32), "default", 5),  # decode
+    ]
+
+
+@pytest.mark.parametrize("world,c,kind,form", _fp8_cases(), ids=lambda v: (
+    lc.case_name(v) if isinstance(v, dict) else str(v)))
+def test_push_fp8_epilogue_equals_its_normed_rows_quantized(world, c, kind, form, seed):
+    """The fp8 epilogue on concurrent emulated ranks with real barriers: every rank's codes and row
+    scales equal ``quant.quantize_rows`` of the normed rows the same launch shape gives without it,
+    bit for bit, the residual unchanged, the codes within the float64 oracle's rounding boundaries
+    (``test_push_fp8.run_case``, the interpreter test's check)."""
+    from tests.kernels.p2p.test_push_fp8 import run_case
+    from tests.kernels.shared._addnorm_cases import quant_forms
+
+    errs = run_case(c, world, kind, list(quant_forms().items())[form], seed % 10**6, device="cuda")
+    assert not errs, errs
+
+
+def test_push_fp8_epilogue_batch_invariant_rows():
+    """``batch_invariant``'s rank-order loop with the epilogue, 2 and 3 ranks: the same check."""
+    from tests.kernels.p2p.test_push_fp8 import run_case
+    from tests.kernels.shared._addnorm_cases import quant_forms
+
+    c = lc.ln_case(1000, 4096, "bf16", res="shard_both", norm="rmsnorm", offset=0.0, norm_bias=False, ctas=8)
+    for world in (2, 3):
+        errs = run_case(c, world, "default", list(quant_forms().items())[0], 7, invariant=True, device="cuda")
+        assert not errs, (world, errs)

@@ -27,7 +27,7 @@ THIS_FILE = os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(THIS_FILE)))))  # script mode
 
 from tests.kernels import _layernorm_cases as lc  # noqa: E402
-from tests.kernels._symm_cases import run_script  # noqa: E402
+from tests.kernels._symm_cases import assert_interpreted_run, interpreted_main  # noqa: E402
 from weave_compile.kernels.shared.common import HAS_TRITON, OUT_RING_SLOTS  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
@@ -136,29 +136,15 @@ def test_the_launcher_passes_the_layernorm_keywords_only_for_a_layernorm_or_a_no
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_push_layernorm_in_cpu_interpreter(world, seed):
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    rc, out = run_script(THIS_FILE, ["--world", str(world), "--seed", str(seed % 10**6)], timeout=900, env=env)
-    assert rc == 0, out[-8000:]
-    assert "PUSH-LAYERNORM OK" in out, out[-8000:]
+    assert_interpreted_run(THIS_FILE, ["--world", str(world), "--seed", str(seed % 10**6)], "PUSH-LAYERNORM OK")
 
 
 def test_push_layernorm_property_in_cpu_interpreter():
     """Drawn ranks (2, 3), T (1..12, rows past T and ranks owning none), H (8..80), loop kinds, dtypes,
     residual forms, weight, norm bias, bias, mid dtype and the ring output."""
     pytest.importorskip("hypothesis")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    rc, out = run_script(THIS_FILE, ["--property", "60"], timeout=900, env=env)
-    assert rc == 0, out[-8000:]
-    assert "PUSH-LAYERNORM PROPERTY OK" in out, out[-8000:]
+    assert_interpreted_run(THIS_FILE, ["--property", "60"], "PUSH-LAYERNORM PROPERTY OK")
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("set TRITON_INTERPRET=1")
-    from weave_compile.testing.emulated_ranks import interpreter_compat
-
-    interpreter_compat()
-    if "--property" in sys.argv:
-        sys.exit(_property(int(sys.argv[sys.argv.index("--property") + 1])))
-    sys.exit(_main(int(sys.argv[sys.argv.index("--world") + 1]) if "--world" in sys.argv else 2,
-                   int(sys.argv[sys.argv.index("--seed") + 1]) if "--seed" in sys.argv else 0))
+    interpreted_main(_main, _property)

@@ -136,15 +136,16 @@ def test_layernorm_property_against_float64():
     _interpret(_PROPERTY_CHILD, 40)
 
 
-def compile_sm90(args, kwargs) -> dict:
-    """The kernel's compiled stages (``asm``: ttgir, ptx, ...) for sm_90 with ``kernel_args``'
-    ``(args, kwargs)``, on any machine (Triton compiles without a GPU)."""
+def compile_sm90(args, kwargs, kernel=None) -> dict:
+    """``kernel``'s (default: the add+norm kernel's) compiled stages (``asm``: ttgir, ptx, ...) for
+    sm_90 with its launch's ``(args, kwargs)`` (``kernel_args``' for the add+norm kernel), on any
+    machine (Triton compiles without a GPU)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
 
-    k = addnorm._add_rmsnorm_rows_kernel
+    k = kernel or addnorm._add_rmsnorm_rows_kernel
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
     bound, spec, opts = create_function_from_signature(k.signature, k.params, backend)(*args, **kwargs)
@@ -152,13 +153,14 @@ def compile_sm90(args, kwargs) -> dict:
     return triton.compile(ASTSource(k, signature, constexprs, attrs), target=target, options=options.__dict__).asm
 
 
-def _ptxas_report(args, kwargs) -> str:
-    """ptxas -v's report for the kernel compiled for sm_90 with ``kernel_args``' ``(args, kwargs)``."""
+def _ptxas_report(args, kwargs, kernel=None) -> str:
+    """ptxas -v's report for ``kernel`` (default: the add+norm kernel) compiled for sm_90 with its
+    launch's ``(args, kwargs)``."""
     import tempfile
 
     import triton
 
-    ptx = compile_sm90(args, kwargs)["ptx"]
+    ptx = compile_sm90(args, kwargs, kernel)["ptx"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()

@@ -17,6 +17,7 @@ layout the kernel without the epilogue reduces it in. Outputs are poisoned befor
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -187,14 +188,42 @@ def test_the_epilogue_compiles_for_sm90_without_spills(H, kind):
         assert "Used" in report and " 0 bytes spill stores" in report, (cfg, report)
 
 
-def _reduce_layouts(ttgir: str) -> list[str]:
-    """Each ``tt.reduce``'s operand type in ``ttgir`` with its layout alias spelled out (aliases
-    are numbered per module), in program order."""
-    import re
+_BLOCKED = re.compile(r"#ttg\.blocked<\{sizePerThread = \[([\d, ]+)\], threadsPerWarp = \[([\d, ]+)\], "
+                      r"warpsPerCTA = \[([\d, ]+)\], order = \[([\d, ]+)\]\}>")
+_SLICE = re.compile(r"#ttg\.slice<\{dim = (\d+), parent = (#ttg\.blocked<\{[^}]*\}>)\}>")
 
+
+def _blocked(spt, tpw, wpc, order) -> str:
+    def f(v):
+        return ", ".join(map(str, v))
+
+    return (f"#ttg.blocked<{{sizePerThread = [{f(spt)}], threadsPerWarp = [{f(tpw)}], warpsPerCTA = [{f(wpc)}], "
+            f"order = [{f(order)}]}}>")
+
+
+def _unslice(m) -> str:
+    """A slice of a blocked layout whose sliced dim has one element, lane and warp is that blocked
+    layout without the dim: the same element -> (register, lane, warp) map, so the same reduction."""
+    dim, parent = int(m.group(1)), _BLOCKED.fullmatch(m.group(2))
+    spt, tpw, wpc, order = ([int(v) for v in parent.group(i).split(",")] for i in range(1, 5))
+    if (spt[dim], tpw[dim], wpc[dim]) != (1, 1, 1):
+        return m.group(0)
+    drop = [i for i in range(len(spt)) if i != dim]
+    return _blocked([spt[i] for i in drop], [tpw[i] for i in drop], [wpc[i] for i in drop],
+                    [o - (o > dim) for o in order if o != dim])
+
+
+def _reduce_layouts(ttgir: str) -> list[str]:
+    """Each ``tt.reduce``'s operand type in ``ttgir`` with its layout spelled out (aliases are
+    numbered per module; a slice that maps elements as a blocked layout does is written as that
+    one), in program order."""
     aliases = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ttgir, re.M))
     types = re.findall(r"^\s*\}\) : \((tensor<[^)]*>)\) -> ", ttgir, re.M)
-    return [re.sub(r"#\w+", lambda a: aliases.get(a.group(0), a.group(0)), t) for t in types]
+    out = []
+    for t in types:
+        t = re.sub(r"#\w+", lambda a: aliases.get(a.group(0), a.group(0)), t)
+        out.append(_SLICE.sub(_unslice, t))
+    return out
 
 
 @pytest.mark.parametrize("H,rows_per_cta,slots,dts,norm", [
@@ -234,3 +263,17 @@ def test_the_epilogue_reduces_each_row_as_the_kernel_without_it(H, rows_per_cta,
         want, got = _reduce_layouts(plain), _reduce_layouts(q)
         assert len(want) >= (2 if norm == "layernorm" else 1), want  # (the slots' sum,) (the mean,) the squares
         assert got[:len(want)] == want, (kind, want, got)
+
+
+def test_the_code_store_hint_only_where_the_rows_are_aligned():
+    """``Q_VEC`` (the codes' store: as many a thread as the normed rows' store) only where the codes'
+    base and row stride are 16-byte aligned, where Triton would otherwise give them 16 a thread; a
+    misaligned base or stride gets none (a hint there would claim an alignment the rows lack)."""
+    from weave_compile.kernels.shared.fp8_rows import code_vector
+
+    buf = torch.empty(64 * 80 + 16, dtype=torch.uint8)
+    off = (-buf.data_ptr()) % 16
+    aligned = buf[off:off + 8 * 64].view(torch.float8_e4m3fn).view(8, 64)
+    assert code_vector(aligned, torch.bfloat16) == 8 and code_vector(aligned, torch.float32) == 4
+    assert code_vector(buf[off + 1:off + 1 + 8 * 64].view(torch.float8_e4m3fn).view(8, 64), torch.bfloat16) == 0
+    assert code_vector(buf[off:off + 8 * 40].view(torch.float8_e4m3fn).view(8, 40), torch.bfloat16) == 0

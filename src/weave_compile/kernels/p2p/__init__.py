@@ -11,6 +11,12 @@ fp32, its own at its rank's place (``RANK_ORDER``, a constexpr the launcher pass
 option), on one launch shape for every token count and CTA count: the pipelined add+norm loop on
 one-row tiles (:func:`weave_compile.kernels.p2p.launch.invariant_meta`). The copy phases move
 bytes unchanged, so a row's outputs do not depend on the call's other rows or its owner.
+
+The fp8 epilogue (``takes_quant``): each rank quantizes its own normed rows in the tile loops (the
+shared :func:`weave_compile.kernels.shared.fp8_rows.quant_tile`) and pushes the codes and row scales
+into the peers' output regions (codes first, the scales after them: the workspace is the one
+without the epilogue), H + 4 bytes a row instead of 2H. Not with the output left in the ring
+(``output_in_place`` copies such a site's output).
 """
 
 from __future__ import annotations
@@ -44,4 +50,4 @@ IMPLEMENTATION = Implementation(
     "p2p", "push kernel: peer stores into symmetric memory, three block barriers, any NVLink/P2P machine",
     _check, _run, reserve=_reserve, workspaces=WORKSPACES,
     capacity_error=SymmCapacityError, takes_out_slot=True, takes_eps_tensor=True, takes_layernorm=True,
-    batch_invariant=True, auto_rank=2)
+    batch_invariant=True, takes_quant=True, auto_rank=2)

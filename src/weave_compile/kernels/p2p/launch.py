@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from ..shared.common import extent, interpreting, needs_int64, next_pow2, prefetch_fits, prev_pow2, spin_limit
+from ..shared.fp8_rows import code_vector, quant_constexprs
 from ..shared.shapes import (ROWWISE_CHUNK, ROWWISE_WARPS, LaunchMeta, layernorm_constexprs, norm_constexprs,
                              rowwise_fits, warps_and_rows)
 from ..shared.symm_call import contiguous_inputs, kernel_eps, run_on_workspace
@@ -69,7 +70,7 @@ def _prefetch_shape(hidden: int, rows_per_rank: int, comm_ctas: int, world_size:
 @functools.lru_cache(maxsize=4096)
 def push_meta(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
               in_bytes: int, res_bytes: int, num_warps: Optional[int] = None,
-              batch_invariant: bool = False) -> LaunchMeta:
+              batch_invariant: bool = False, quant: bool = False) -> LaunchMeta:
     """The push kernel's tile shape, grid, unrolling and add+norm loop.
 
     Copy phases: as many tiles per iteration as make ~64 KB in flight per CTA, held in
@@ -88,10 +89,12 @@ def push_meta(hidden: int, rows_per_rank: int, comm_ctas: int, world_size: int,
     takes RMSNorm's shapes (measured for RMSNorm only), which it fits without spilling (its second
     pass is over the row already in registers; ptxas, sm_90, tests/testing/test_ptx.py).
 
-    ``batch_invariant``: :func:`invariant_meta` (one add+norm shape for every T and CTA count)."""
+    ``batch_invariant``: :func:`invariant_meta` (one add+norm shape for every T and CTA count).
+    ``quant`` (an fp8 epilogue) never gets the one-warp-per-row loop: the epilogue needs a row's
+    amax over the whole row, which the tile loops hold and that loop's chunks do not."""
     if batch_invariant:
         return invariant_meta(hidden, rows_per_rank, comm_ctas, world_size, in_bytes, res_bytes, num_warps)
-    if (num_warps is None and rowwise_fits(hidden, world_size - 1, in_bytes, res_bytes)
+    if (num_warps is None and not quant and rowwise_fits(hidden, world_size - 1, in_bytes, res_bytes)
             and math.ceil(rows_per_rank / max(1, comm_ctas)) >= ROWWISE_WARPS):
         # (a CTA with fewer rows than warps would leave warps idle, each busy one walking its
         # whole row: decode-sized shards keep the prefetched tile)
@@ -173,7 +176,7 @@ def push_constexprs(meta: LaunchMeta, **kw) -> dict:
 def launch_push(ws: SymmWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Tensor,
                 residual_out: torch.Tensor, *, num_warps: Optional[int] = None,
                 meta: Optional[LaunchMeta] = None, phases: int = 7, sync: bool = True,
-                compile_only: bool = False) -> LaunchMeta:
+                compile_only: bool = False, scales: Optional[torch.Tensor] = None) -> LaunchMeta:
     """Launch the push kernel: x, residual and the outputs are ordinary tensors.
 
     With ``spec.out_slot >= 0``, ``normed`` must be :func:`.workspace.ring_output` of that slot:
@@ -183,6 +186,13 @@ def launch_push(ws: SymmWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Te
 
     ``spec.batch_invariant``: the partials of a row are added in rank order in fp32
     (``RANK_ORDER``) on :func:`invariant_meta`'s shape (a ``meta`` given must be such a shape).
+
+    ``spec.quant`` (the fp8 epilogue, :class:`weave_compile.quant.QuantSpec`): ``normed`` is the fp8
+    rows [T, H] and, per row, ``scales`` [T, 1] fp32 their scales (a static one is
+    ``rows.quant_scale``); each rank quantizes its own rows (:mod:`.push`) and pushes codes and
+    scales, H + 4 bytes a row instead of the normed rows' 2H, into the peers' output regions, codes
+    first, scales after them (the workspace is the one without the epilogue). Not with
+    ``spec.out_slot`` >= 0 (the ring holds normed rows of the output dtype).
 
     ``meta`` overrides the launch shape; ``phases`` and ``sync`` are the kernel's measurement /
     simulation hooks (see :mod:`.push`); ``compile_only`` compiles without launching (emulated
@@ -200,17 +210,22 @@ def launch_push(ws: SymmWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Te
         if norm_bias.numel() != H:
             raise ValueError(f"norm_bias must have {H} elements, got shape {tuple(norm_bias.shape)}")
         norm_bias = norm_bias.reshape(H).contiguous()
+    quant = spec.quant
+    if quant is not None:
+        _check_quant(ws, spec, rows, normed, scales)
     if out_slot >= 0:
         ring = ring_output(ws, out_slot, num_tokens)
         if normed.data_ptr() != ring.data_ptr() or normed.stride(0) != H:
             raise ValueError(f"out_slot={out_slot}: normed must be the workspace's ring slot view")
     if meta is None:
         meta = push_meta(H, S, spec.comm_ctas, N, x.dtype.itemsize, residual_out.dtype.itemsize, num_warps,
-                         spec.batch_invariant)
+                         spec.batch_invariant, quant is not None)
     elif spec.batch_invariant:
         check_invariant_meta(meta)
+    if quant is not None and meta.norm_chunk:
+        raise ValueError(f"p2p: the fp8 epilogue runs in the tile loops, not one warp per row: {meta}")
     consts = push_constexprs(
-        meta, world_size=N, hidden=H, in_dtype=x.dtype, out_dtype=normed.dtype,
+        meta, world_size=N, hidden=H, in_dtype=x.dtype, out_dtype=normed.dtype if quant is None else ws.out_dtype,
         res_dtype=residual_out.dtype, mid_dtype=spec.mid_dtype, has_bias=bias is not None,
         has_residual=residual is not None, has_weight=weight is not None,
         residual_in_sharded=spec.residual_in_sharded, residual_out_sharded=spec.residual_out_sharded,
@@ -218,7 +233,7 @@ def launch_push(ws: SymmWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Te
     eps = kernel_eps(rows, spec)
     args = (ws.ptr_table, x, residual if residual is not None else dummy,
             bias if bias is not None else dummy, weight if weight is not None else dummy,
-            normed, residual_out, ws.status,
+            normed if quant is None else normed.view(torch.uint8), residual_out, ws.status,
             num_tokens, S, ws.capacity // N, ws.rank, ws.pad_offset,
             x.stride(0), residual.stride(0) if residual is not None else 0,
             normed.stride(0), residual_out.stride(0), eps, float(spec.weight_offset),
@@ -234,6 +249,11 @@ def launch_push(ws: SymmWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Te
     kwargs.update(layernorm_constexprs(spec.norm, norm_bias))
     if spec.batch_invariant:  # the partials in rank order (RMSNorm without it compiles as it did)
         kwargs["RANK_ORDER"] = True
+    if quant is not None:  # the epilogue's keywords (a launch without it passes none: its kernel as it was)
+        kwargs.update(QSCALES=scales if quant.kind == "row" else None,
+                      QSTATIC=rows.quant_scale.reshape(1) if quant.kind == "static" else None,
+                      INTERPRET=interpreting(), Q_VEC=code_vector(normed, ws.out_dtype),
+                      **quant_constexprs(quant, ws.out_dtype))
     if compile_only:  # compile (or find) the binary this launch would run, launch nothing
         push_allreduce_rmsnorm_kernel.warmup(*args, grid=(meta.grid,), **kwargs)
     else:
@@ -241,9 +261,38 @@ def launch_push(ws: SymmWorkspace, rows: Rows, spec: FusedSpec, normed: torch.Te
     return meta
 
 
-def push_on(ws: SymmWorkspace, rows: Rows, spec: FusedSpec, **launch_kw) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_region_bytes(ws: SymmWorkspace) -> int:
+    """Bytes of an output region the fp8 epilogue uses: the [N, capacity / N, H] codes, 16-byte
+    aligned, then a row scale (fp32) per row (:mod:`.push`)."""
+    return -(-ws.capacity * ws.hidden // 16) * 16 + 4 * ws.capacity
+
+
+def _check_quant(ws: SymmWorkspace, spec: FusedSpec, rows: Rows, normed: torch.Tensor,
+                 scales: Optional[torch.Tensor]) -> None:
+    """The fp8 epilogue's arguments of :func:`launch_push`, named where they do not fit."""
+    quant, T, H = spec.quant, rows.x.shape[0], ws.hidden
+    if spec.out_slot >= 0:
+        raise ValueError("p2p: the fp8 epilogue returns fresh fp8 rows; out_slot must be -1")
+    if ws.out_dtype != spec.out_dtype:
+        raise ValueError(f"p2p: the workspace's output dtype {ws.out_dtype} is not the normed rows' "
+                         f"{spec.out_dtype} (the dtype they are rounded to before the epilogue)")
+    if quant_region_bytes(ws) > ws.capacity * H * ws.out_dtype.itemsize:
+        raise ValueError(f"p2p: an output region of {ws.capacity} rows x {H} {ws.out_dtype} cannot hold "
+                         f"the codes and row scales ({quant_region_bytes(ws)} bytes)")
+    if normed.dtype != quant.dtype or normed.shape != (T, H) or not normed.is_contiguous():
+        raise ValueError(f"p2p: the fp8 epilogue's normed must be contiguous {quant.dtype} [{T}, {H}], got "
+                         f"{normed.dtype} {tuple(normed.shape)}")
+    if quant.kind == "row" and (scales is None or scales.shape != (T, 1) or scales.dtype != torch.float32
+                                or not scales.is_contiguous()):
+        raise ValueError(f"p2p: a per-row epilogue needs scales, contiguous float32 [{T}, 1]")
+    if quant.kind == "static" and (rows.quant_scale is None or rows.quant_scale.numel() != 1):
+        raise ValueError("p2p: a static epilogue needs rows.quant_scale (one element)")
+
+
+def push_on(ws: SymmWorkspace, rows: Rows, spec: FusedSpec, **launch_kw) -> tuple[torch.Tensor, ...]:
     """One rank's push launch on workspace ``ws`` (``rows.x`` [T, H], T >= 1, checked):
-    ``(normed, residual_out)``; ``launch_kw`` goes to :func:`launch_push`."""
+    ``(normed, residual_out)``, with ``spec.quant`` ``(fp8 rows, residual_out, row scales [T, 1]
+    (empty for a static scale))``; ``launch_kw`` goes to :func:`launch_push`."""
     x = rows.x
     T, H = x.shape
     dev = x.device
@@ -262,13 +311,18 @@ def push_on(ws: SymmWorkspace, rows: Rows, spec: FusedSpec, **launch_kw) -> tupl
         raise RuntimeError(f"weave: an input of the fused op lives in output ring slot {out_slot}, "
                            "which this call overwrites (a bug of the output_in_place pass; "
                            "run without output_in_place and report it)")
+    quant = spec.quant
     normed = ring_output(ws, out_slot, T) if out_slot >= 0 else torch.empty(
-        (T, H), dtype=ws.out_dtype, device=dev)
+        (T, H), dtype=ws.out_dtype if quant is None else quant.dtype, device=dev)
     residual_out = torch.empty((math.ceil(T / ws.world_size) if spec.residual_out_sharded else T, H),
                                dtype=ws.res_dtype, device=dev)
+    scales = None
+    if quant is not None:
+        scales = torch.empty((T, 1) if quant.kind == "row" else (0,), dtype=torch.float32, device=dev)
     with torch.cuda.device(dev) if x.is_cuda else contextlib.nullcontext():
-        launch_push(ws, rows, spec, normed, residual_out, **launch_kw)
-    return normed, residual_out
+        launch_push(ws, rows, spec, normed, residual_out, scales=scales if quant is not None and quant.kind == "row"
+                    else None, **launch_kw)
+    return (normed, residual_out) if quant is None else (normed, residual_out, scales)
 
 
 def _overlaps_ring_slot(ws: SymmWorkspace, slot: int, *tensors) -> bool:

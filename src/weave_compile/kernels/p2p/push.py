@@ -77,6 +77,7 @@ from ..shared.common import HAS_TRITON, tl, triton
 if HAS_TRITON:
     from ..shared.rownorm import (add_norm, load_norm_bias, load_residual, norm_params, norm_tile,
                                   rowwise_first_loads, rowwise_group, shard_rows, store_residual_shard)
+    from ..shared.fp8_rows import quant_tile
     from ..shared.sync import block_barrier
 
     @triton.jit
@@ -107,12 +108,15 @@ if HAS_TRITON:
     def _copy_phase(SRC, stride_src, src_owner_rows: tl.constexpr, DST, stride_dst,
                     dst_owner_rows: tl.constexpr, src_base_row, dst_base_row, owner, pid, step,
                     rows_per_rank, num_tokens, cols, col_ok, BLOCK_ROWS: tl.constexpr,
-                    UNROLL: tl.constexpr, STAGES: tl.constexpr, IDX64: tl.constexpr):
+                    UNROLL: tl.constexpr, STAGES: tl.constexpr, IDX64: tl.constexpr, SRC_VEC: tl.constexpr = 0,
+                    DST_VEC: tl.constexpr = 0):
         """Copy ``owner``'s shard rows of this CTA: row ``j`` of ``SRC`` -> row ``j`` of ``DST``.
 
         A side indexed by global rows (``*_owner_rows`` true) is addressed at ``owner * S +
         j``; a slot side at ``*_base_row + j``.  ``UNROLL`` tiles per iteration are loaded
-        before any is stored."""
+        before any is stored. ``SRC_VEC``/``DST_VEC`` > 0: that side's rows are aligned for that many
+        elements a thread, and take no more (the fp8 epilogue's codes: one byte each, 16 a thread
+        would widen the layout of the add+norm tiles too, which share ``cols``; see ``_norm_store``)."""
         for j0 in tl.range(pid * BLOCK_ROWS, rows_per_rank, step * UNROLL, num_stages=STAGES):
             j, rows, ok = shard_rows(j0, BLOCK_ROWS, owner, rows_per_rank, num_tokens, UNROLL, step,
                                      IDX64)
@@ -125,8 +129,14 @@ if HAS_TRITON:
                 d_row = rows
             else:
                 d_row = dst_base_row + j
-            v = tl.load(SRC + s_row[:, None] * stride_src + cols[None, :], mask=m)
-            tl.store(DST + d_row[:, None] * stride_dst + cols[None, :], v, mask=m)
+            src = SRC + s_row[:, None] * stride_src + cols[None, :]
+            if SRC_VEC > 0:
+                src = tl.multiple_of(src, [1, SRC_VEC])
+            v = tl.load(src, mask=m)
+            dst = DST + d_row[:, None] * stride_dst + cols[None, :]
+            if DST_VEC > 0:
+                dst = tl.multiple_of(dst, [1, DST_VEC])
+            tl.store(dst, v, mask=m)
 
     @triton.jit
     def _norm_loads(X, stride_x_row, in_base, RESIDUAL, stride_res_row, j0, rank, slot_rows,
@@ -179,11 +189,20 @@ if HAS_TRITON:
     def _norm_store(out_peers, res_peers, peer_ok, NORMED, RESIDUAL_OUT, res, normed, j, rows, m,
                     col_ok, cols, rank, slot_rows, rows_per_rank, stride_out_row, stride_res_out_row,
                     out_ring_row, HIDDEN: tl.constexpr, RESIDUAL_OUT_SHARDED: tl.constexpr,
-                    OUT_IN_REGION: tl.constexpr, HAS_BIAS: tl.constexpr):
+                    OUT_IN_REGION: tl.constexpr, HAS_BIAS: tl.constexpr, ok=None, QSCALES=None,
+                    qstatic=0.0, sc_off=0, QUANT: tl.constexpr = 0, Q_INV_MAX: tl.constexpr = 1.0,
+                    Q_FLOOR: tl.constexpr = 0.0, Q_RECIP: tl.constexpr = False, Q_SAT: tl.constexpr = 1.0,
+                    Q_SDTYPE: tl.constexpr = None, Q_MBITS: tl.constexpr = 3, Q_BIAS: tl.constexpr = 7,
+                    INTERPRET: tl.constexpr = False, Q_VEC: tl.constexpr = 0):
         """Phase 2's stores of one tile: our residual and normed rows, and their pushes into slot
         ``[rank]`` of every peer's residual / output region (the global row of the ring slot
         with ``OUT_IN_REGION``), one [PEERS_P2, R, BLOCK_H] store per region kind
-        (``out_peers``/``res_peers``/``peer_ok``: :func:`_peer_regions`, loaded before the loop)."""
+        (``out_peers``/``res_peers``/``peer_ok``: :func:`_peer_regions`, loaded before the loop).
+
+        ``QUANT`` (1 per row, 2 static): the normed rows go as fp8 codes (``NORMED`` and
+        ``out_peers`` byte pointers; the codes in the output region's first bytes, a [N, slot_rows,
+        H] byte array) and, per row, their scales to ``QSCALES[rows]`` and to the peers' scales
+        array at ``sc_off`` bytes into their output region (``ok``: the tile's rows that exist)."""
         slot = (rank * slot_rows + j)[:, None] * HIDDEN + cols[None, :]
         to_peers = peer_ok[:, None, None] & m[None, :, :]
         if RESIDUAL_OUT_SHARDED:
@@ -194,12 +213,46 @@ if HAS_TRITON:
         else:
             tl.store(RESIDUAL_OUT + rows[:, None] * stride_res_out_row + cols[None, :], res, mask=m)
             tl.store(res_peers[:, None, None] + slot[None, :, :], res[None, :, :], mask=to_peers)
-        tl.store(NORMED + rows[:, None] * stride_out_row + cols[None, :], normed, mask=m)
-        if OUT_IN_REGION:  # the global row of the peers' ring slot: their output itself
-            out_at = (out_ring_row + rows)[:, None] * HIDDEN + cols[None, :]
+        if QUANT == 0:
+            tl.store(NORMED + rows[:, None] * stride_out_row + cols[None, :], normed, mask=m)
+            if OUT_IN_REGION:  # the global row of the peers' ring slot: their output itself
+                out_at = (out_ring_row + rows)[:, None] * HIDDEN + cols[None, :]
+            else:
+                out_at = slot
+            tl.store(out_peers[:, None, None] + out_at[None, :, :], normed[None, :, :], mask=to_peers)
         else:
-            out_at = slot
-        tl.store(out_peers[:, None, None] + out_at[None, :, :], normed[None, :, :], mask=to_peers)
+            code, sc = quant_tile(normed, qstatic, Q_INV_MAX, Q_FLOOR, QUANT == 1, Q_RECIP, Q_SAT, Q_SDTYPE,
+                                  Q_MBITS, Q_BIAS, INTERPRET)
+            code = code.to(tl.uint8)
+            # Stored as many to a thread as the normed rows are without the epilogue: one byte each,
+            # aligned rows would get 16 a thread, a layout Triton spreads back over the whole tile,
+            # and a row's sum of squares would be reduced in another order than without the
+            # epilogue (kernels/shared/addnorm.py, _store_normed). The hints only where the rows are
+            # aligned so (Q_VEC: the launcher checked NORMED; the regions: 16-byte aligned bases,
+            # rows of HIDDEN bytes).
+            ptr = NORMED + rows[:, None] * stride_out_row + cols[None, :]
+            if Q_VEC > 0:
+                ptr = tl.multiple_of(ptr, [1, Q_VEC])
+            tl.store(ptr, code, mask=m)
+            peer_ptr = out_peers[:, None, None] + slot[None, :, :]
+            if HIDDEN % 16 == 0:
+                peer_ptr = tl.multiple_of(peer_ptr, [1, 1, 128 // normed.dtype.primitive_bitwidth])
+            tl.store(peer_ptr, code[None, :, :], mask=to_peers)
+            if QUANT == 1:
+                tl.store(QSCALES + rows, sc, mask=ok)
+                sc_peers = (out_peers + sc_off).to(tl.pointer_type(tl.float32))
+                tl.store(sc_peers[:, None] + (rank * slot_rows + j)[None, :], sc[None, :],
+                         mask=peer_ok[:, None] & ok[None, :])
+
+    @triton.jit
+    def _copy_scales(SRC, src_base_row, DST, owner, pid, step, rows_per_rank, num_tokens,
+                     BLOCK_ROWS: tl.constexpr, IDX64: tl.constexpr):
+        """Phase 3 for the fp8 epilogue's row scales: ``owner``'s shard rows of this CTA, slot
+        ``src_base_row + j`` of ``SRC`` -> global row of ``DST`` (the same rows per CTA as the
+        copy phases, so the barriers pair them)."""
+        for j0 in tl.range(pid * BLOCK_ROWS, rows_per_rank, step):
+            j, rows, ok = shard_rows(j0, BLOCK_ROWS, owner, rows_per_rank, num_tokens, 1, step, IDX64)
+            tl.store(DST + rows, tl.load(SRC + src_base_row + j, mask=ok), mask=ok)
 
     @triton.jit(do_not_specialize=["num_tokens", "rows_per_rank", "slot_rows", "rank", "pad_offset"])
     def push_allreduce_rmsnorm_kernel(
@@ -226,12 +279,24 @@ if HAS_TRITON:
         NORM_BIAS=None,  # [H]: a LayerNorm's bias, added after the weight (HAS_NORM_BIAS only)
         IS_LAYERNORM: tl.constexpr = False, HAS_NORM_BIAS: tl.constexpr = False,
         RANK_ORDER: tl.constexpr = False,
+        QSCALES=None,  # [T] fp32: our row scales (QUANT == 1)
+        QSTATIC=None,  # [1] fp32: the static scale (QUANT == 2)
+        QUANT: tl.constexpr = 0, Q_INV_MAX: tl.constexpr = 1.0, Q_FLOOR: tl.constexpr = 0.0,
+        Q_RECIP: tl.constexpr = False, Q_SAT: tl.constexpr = 1.0, Q_SDTYPE: tl.constexpr = None,
+        Q_MBITS: tl.constexpr = 3, Q_BIAS: tl.constexpr = 7, INTERPRET: tl.constexpr = False,
+        Q_VEC: tl.constexpr = 0,  # NORMED's codes: rows aligned for that many a thread (fp8_rows.code_vector)
     ):
         pid = tl.program_id(0)
         step = tl.num_programs(0) * BLOCK_ROWS
         cols = tl.arange(0, BLOCK_H)
         col_ok = cols < HIDDEN
         in_base = _region(PTR_TABLE, 0, rank, IN_DTYPE, WORLD_SIZE)
+        # QUANT: the row scales' byte offset in an output region, after the [N, slot_rows, H] codes
+        # (16-byte aligned; the launcher checks that both fit the region)
+        sc_off = 0
+        if QUANT > 0:
+            tl.static_assert(NORM_CHUNK == 0, "the fp8 epilogue runs in the tile loops, not one warp per row")
+            sc_off = ((slot_rows.to(tl.int64) * WORLD_SIZE * HIDDEN + 15) // 16) * 16
         # Peers are visited as rank + 1, rank + 2, ... (mod N): no branch on the run-time
         # rank around an access, so the pipeliner can stage every load of a loop.
 
@@ -256,7 +321,13 @@ if HAS_TRITON:
             nb = None  # NORM_BIAS: None (a constexpr, no kernel argument) unless HAS_NORM_BIAS
             if HAS_NORM_BIAS and NORM_CHUNK == 0:  # the one-warp-per-row loop loads it per chunk
                 nb = load_norm_bias(NORM_BIAS, cols, col_ok)
-            out_peers, peer_ok = _peer_regions(PTR_TABLE, 1, rank, OUT_DTYPE, WORLD_SIZE, PEERS_P2)
+            if QUANT == 0:
+                out_peers, peer_ok = _peer_regions(PTR_TABLE, 1, rank, OUT_DTYPE, WORLD_SIZE, PEERS_P2)
+            else:  # the codes: bytes; the scales after them (sc_off)
+                out_peers, peer_ok = _peer_regions(PTR_TABLE, 1, rank, tl.uint8, WORLD_SIZE, PEERS_P2)
+            qstatic = 0.0
+            if QUANT == 2:
+                qstatic = tl.load(QSTATIC).to(tl.float32)
             res_peers, _ = _peer_regions(PTR_TABLE, 2, rank, RES_DTYPE, WORLD_SIZE, PEERS_P2)
             if NORM_CHUNK > 0:
                 # One warp per row (rownorm.rowwise_group): groups of BLOCK_ROWS x NORM_UNROLL
@@ -329,7 +400,9 @@ if HAS_TRITON:
                     _norm_store(out_peers, res_peers, peer_ok, NORMED, RESIDUAL_OUT, res, normed, j,
                                 rows, m, col_ok, cols, rank, slot_rows, rows_per_rank,
                                 stride_out_row, stride_res_out_row, out_ring_row, HIDDEN,
-                                RESIDUAL_OUT_SHARDED, OUT_IN_REGION, HAS_BIAS)
+                                RESIDUAL_OUT_SHARDED, OUT_IN_REGION, HAS_BIAS, ok, QSCALES, qstatic, sc_off,
+                                QUANT, Q_INV_MAX, Q_FLOOR, Q_RECIP, Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET,
+                                Q_VEC)
             else:
                 for j0 in tl.range(pid * BLOCK_ROWS, rows_per_rank, step * NORM_UNROLL,
                                    num_stages=NORM_STAGES):
@@ -366,21 +439,31 @@ if HAS_TRITON:
                     _norm_store(out_peers, res_peers, peer_ok, NORMED, RESIDUAL_OUT, res, normed, j,
                                 rows, m, col_ok, cols, rank, slot_rows, rows_per_rank,
                                 stride_out_row, stride_res_out_row, out_ring_row, HIDDEN,
-                                RESIDUAL_OUT_SHARDED, OUT_IN_REGION, HAS_BIAS)
+                                RESIDUAL_OUT_SHARDED, OUT_IN_REGION, HAS_BIAS, ok, QSCALES, qstatic, sc_off,
+                                QUANT, Q_INV_MAX, Q_FLOOR, Q_RECIP, Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET,
+                                Q_VEC)
         if SYNC:
             block_barrier(PTR_TABLE, STATUS, rank, pad_offset, WORLD_SIZE, SPIN_LIMIT, FENCE_ASM)
 
         # 3. gather: the peers pushed their rows into our slots; copy them to the outputs
         # (the normed rows are in place already with OUT_IN_REGION).
         if PHASES & 4:
-            out_base = _region(PTR_TABLE, 1, rank, OUT_DTYPE, WORLD_SIZE)
+            if QUANT == 0:
+                out_base = _region(PTR_TABLE, 1, rank, OUT_DTYPE, WORLD_SIZE)
+            else:
+                out_base = _region(PTR_TABLE, 1, rank, tl.uint8, WORLD_SIZE)
             res_base = _region(PTR_TABLE, 2, rank, RES_DTYPE, WORLD_SIZE)
             for q in tl.static_range(1, WORLD_SIZE):
                 p = (rank + q) % WORLD_SIZE
                 if not OUT_IN_REGION:
                     _copy_phase(out_base, HIDDEN, False, NORMED, stride_out_row, True,
                                 p * slot_rows, 0, p, pid, step, rows_per_rank, num_tokens, cols,
-                                col_ok, BLOCK_ROWS, COPY_UNROLL, COPY_STAGES, IDX64)
+                                col_ok, BLOCK_ROWS, COPY_UNROLL, COPY_STAGES, IDX64,
+                                128 // OUT_DTYPE.primitive_bitwidth if QUANT > 0 and HIDDEN % 16 == 0 else 0,
+                                Q_VEC)
+                if QUANT == 1:
+                    _copy_scales((out_base + sc_off).to(tl.pointer_type(tl.float32)), p * slot_rows, QSCALES, p,
+                                 pid, step, rows_per_rank, num_tokens, BLOCK_ROWS, IDX64)
                 if not RESIDUAL_OUT_SHARDED:
                     _copy_phase(res_base, HIDDEN, False, RESIDUAL_OUT, stride_res_out_row, True,
                                 p * slot_rows, 0, p, pid, step, rows_per_rank, num_tokens, cols,

@@ -142,10 +142,11 @@ if HAS_TRITON:
     def _store_normed(NORMED, QSCALES, rows, cols, m, n_valid, stride_normed_row, normed, qstatic,
                       QUANT: tl.constexpr, Q_INV_MAX: tl.constexpr, Q_FLOOR: tl.constexpr,
                       Q_RECIP: tl.constexpr, Q_SAT: tl.constexpr, Q_SDTYPE: tl.constexpr, Q_MBITS: tl.constexpr,
-                      Q_BIAS: tl.constexpr, INTERPRET: tl.constexpr):
+                      Q_BIAS: tl.constexpr, INTERPRET: tl.constexpr, Q_VEC: tl.constexpr = 0):
         """Store a block's normed rows where ``m``: as they are, or (``QUANT`` 1: per row, 2: static)
         as fp8 codes through ``NORMED``'s bytes, with a row's scale at ``QSCALES[row]``
-        (:func:`weave_compile.kernels.shared.fp8_rows.quant_tile`)."""
+        (:func:`weave_compile.kernels.shared.fp8_rows.quant_tile`); ``Q_VEC`` > 0: the codes' row
+        starts are that many bytes aligned (the launcher checked), stored that many a thread."""
         ptr = NORMED + rows[:, None] * stride_normed_row + cols[None, :]
         if QUANT == 0:
             tl.store(ptr, normed, mask=m)
@@ -153,12 +154,13 @@ if HAS_TRITON:
             code, sc = quant_tile(normed, qstatic, Q_INV_MAX, Q_FLOOR, QUANT == 1, Q_RECIP, Q_SAT, Q_SDTYPE,
                                   Q_MBITS, Q_BIAS, INTERPRET)
             # The codes' store vectorized as the normed rows' store is without the epilogue (16 bytes
-            # of them a thread): one byte each, they would get 16 elements a thread, which Triton's
-            # layout choice spreads back to the whole tile, so the row's sum of squares would be
-            # reduced in another order than the kernel without the epilogue reduces it (its normed
-            # rows then differ in the last bit now and then, and with them a code).
-            VEC: tl.constexpr = 128 // normed.dtype.primitive_bitwidth
-            tl.store(tl.multiple_of(ptr, [1, VEC]), code.to(tl.uint8), mask=m)
+            # of them a thread): one byte each, aligned rows would get 16 elements a thread, which
+            # Triton's layout choice spreads back to the whole tile, so the row's sum of squares
+            # would be reduced in another order than the kernel without the epilogue reduces it (its
+            # normed rows then differ in the last bit now and then, and with them a code).
+            if Q_VEC > 0:
+                ptr = tl.multiple_of(ptr, [1, Q_VEC])
+            tl.store(ptr, code.to(tl.uint8), mask=m)
             if QUANT == 1:
                 tl.store(QSCALES + rows, sc, mask=rows < n_valid)
 
@@ -174,7 +176,7 @@ if HAS_TRITON:
                    Q_INV_MAX: tl.constexpr = 1.0, Q_FLOOR: tl.constexpr = 0.0,
                    Q_RECIP: tl.constexpr = False, Q_SAT: tl.constexpr = 1.0, Q_SDTYPE: tl.constexpr = None,
                    Q_MBITS: tl.constexpr = 3, Q_BIAS: tl.constexpr = 7, INTERPRET: tl.constexpr = False,
-                   OWN: tl.constexpr = -1):
+                   OWN: tl.constexpr = -1, Q_VEC: tl.constexpr = 0):
         rows = (blk * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
         m = (rows < n_valid)[:, None] & cmask[None, :]
         own = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=m, other=0.0).to(tl.float32)
@@ -205,7 +207,7 @@ if HAS_TRITON:
         store_residual_shard(RES_OUT, rows, res, m, cmask, cols, n_res_rows, stride_res_out_row,
                              HAS_BIAS or HAS_SCALE)
         _store_normed(NORMED, QSCALES, rows, cols, m, n_valid, stride_normed_row, normed, qstatic, QUANT,
-                      Q_INV_MAX, Q_FLOOR, Q_RECIP, Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET)
+                      Q_INV_MAX, Q_FLOOR, Q_RECIP, Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET, Q_VEC=Q_VEC)
 
     @triton.jit
     def _block_loads(X, RECV, RES_IN, blk, n_valid, stride_x_row, stride_recv_slot, stride_res_in_row,
@@ -250,7 +252,8 @@ if HAS_TRITON:
                       QSCALES=None, qstatic=0.0, QUANT: tl.constexpr = 0,
                       Q_INV_MAX: tl.constexpr = 1.0, Q_FLOOR: tl.constexpr = 0.0,
                       Q_RECIP: tl.constexpr = False, Q_SAT: tl.constexpr = 1.0, Q_SDTYPE: tl.constexpr = None,
-                      Q_MBITS: tl.constexpr = 3, Q_BIAS: tl.constexpr = 7, INTERPRET: tl.constexpr = False):
+                      Q_MBITS: tl.constexpr = 3, Q_BIAS: tl.constexpr = 7, INTERPRET: tl.constexpr = False,
+                      Q_VEC: tl.constexpr = 0):
         """The math and stores of a row block whose inputs :func:`_block_loads` loaded."""
         rows = (blk * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
         m = (rows < n_valid)[:, None] & cmask[None, :]
@@ -263,7 +266,7 @@ if HAS_TRITON:
         store_residual_shard(RES_OUT, rows, res, m, cmask, cols, n_res_rows, stride_res_out_row,
                              HAS_BIAS or HAS_SCALE)
         _store_normed(NORMED, QSCALES, rows, cols, m, n_valid, stride_normed_row, normed, qstatic, QUANT,
-                      Q_INV_MAX, Q_FLOOR, Q_RECIP, Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET)
+                      Q_INV_MAX, Q_FLOOR, Q_RECIP, Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET, Q_VEC=Q_VEC)
 
     # The row counts are not specialized (a count of 1, or one divisible by 16, would otherwise be
     # a binary of its own): a new token count must never compile or load a kernel at run time
@@ -283,7 +286,7 @@ if HAS_TRITON:
         QSCALES=None, QSTATIC=None, QUANT: tl.constexpr = 0,
         Q_INV_MAX: tl.constexpr = 1.0, Q_FLOOR: tl.constexpr = 0.0, Q_RECIP: tl.constexpr = False,
         Q_SAT: tl.constexpr = 1.0, Q_SDTYPE: tl.constexpr = None, Q_MBITS: tl.constexpr = 3,
-        Q_BIAS: tl.constexpr = 7, OWN: tl.constexpr = -1,
+        Q_BIAS: tl.constexpr = 7, OWN: tl.constexpr = -1, Q_VEC: tl.constexpr = 0,
     ):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
@@ -353,7 +356,7 @@ if HAS_TRITON:
                               stride_res_out_row, eps, w, b, s, cols, cmask, BLOCK_ROWS, HIDDEN, RES_DTYPE,
                               OUT_DTYPE, MID_DTYPE, HAS_MID, HAS_SCALE or HAS_ABORT, HAS_BIAS, HAS_RESIDUAL,
                               HAS_WEIGHT, nb, IS_LAYERNORM, HAS_NORM_BIAS, QSCALES, qstatic, QUANT,
-                              Q_INV_MAX, Q_FLOOR, Q_RECIP, Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET)
+                              Q_INV_MAX, Q_FLOOR, Q_RECIP, Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET, Q_VEC=Q_VEC)
                 blk += nprog
         elif INTERPRET:
             # Triton 3.6's interpreter cannot take runtime bounds in tl.range (numpy >= 2): same body.
@@ -364,7 +367,7 @@ if HAS_TRITON:
                            s, cols, cmask, NUM_SLOTS, HIDDEN, BLOCK_ROWS, RES_DTYPE, OUT_DTYPE, MID_DTYPE,
                            HAS_MID, HAS_SCALE or HAS_ABORT, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, nb, IS_LAYERNORM,
                            HAS_NORM_BIAS, QSCALES, qstatic, QUANT, Q_INV_MAX, Q_FLOOR, Q_RECIP,
-                           Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET, OWN)
+                           Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET, OWN, Q_VEC)
                 blk += nprog
         else:
             # Pipelined: the loads of the next row blocks are issued before this block's reduction.
@@ -374,7 +377,7 @@ if HAS_TRITON:
                            s, cols, cmask, NUM_SLOTS, HIDDEN, BLOCK_ROWS, RES_DTYPE, OUT_DTYPE, MID_DTYPE,
                            HAS_MID, HAS_SCALE or HAS_ABORT, HAS_BIAS, HAS_RESIDUAL, HAS_WEIGHT, nb, IS_LAYERNORM,
                            HAS_NORM_BIAS, QSCALES, qstatic, QUANT, Q_INV_MAX, Q_FLOOR, Q_RECIP,
-                           Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET, OWN)
+                           Q_SAT, Q_SDTYPE, Q_MBITS, Q_BIAS, INTERPRET, OWN, Q_VEC)
 
 else:  # pragma: no cover
     _add_rmsnorm_rows_kernel = None
@@ -538,6 +541,7 @@ def kernel_args(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, cfg
         args = args[:7] + (normed.view(torch.uint8),) + args[8:]
         kwargs.update(QSCALES=row_scales if row_scales is not None else dummy,
                       QSTATIC=quant_scale if quant_scale is not None else dummy,
+                      Q_VEC=fp8_rows.code_vector(normed, out_dtype),
                       **fp8_rows.quant_constexprs(quant, out_dtype))
     if rank_order is not None:
         kwargs["OWN"] = int(rank_order)

@@ -49,6 +49,17 @@ def quant_constexprs(quant, out_dtype: torch.dtype) -> dict:
                 Q_SAT=float(quant.fp8_max) if quant.clamp else finite)
 
 
+def code_vector(codes: torch.Tensor, out_dtype: torch.dtype) -> int:
+    """The ``Q_VEC`` constexpr for storing fp8 codes to ``codes`` ([rows, H], one byte each): the
+    elements a thread stores of the normed rows without the epilogue (16 bytes of ``out_dtype``)
+    where the codes' rows start 16-byte aligned (base and row stride: what Triton specializes on,
+    and only then would it give one-byte codes 16 a thread, widening the tile's layout); else 0 (no
+    hint: Triton's own analysis keeps them narrower, and a hint there would claim an alignment the
+    rows lack)."""
+    aligned = codes.data_ptr() % 16 == 0 and codes.stride(0) * codes.element_size() % 16 == 0
+    return 16 // out_dtype.itemsize if aligned else 0
+
+
 if HAS_TRITON:
 
     @triton.jit

@@ -73,7 +73,7 @@ def contiguous_inputs(rows: Rows) -> tuple:
 
 
 def run_on_workspace(rows: Rows, spec: FusedSpec, launch: Launch, *, ring: bool = False, channel: int = 0,
-                     **launch_kw) -> tuple[torch.Tensor, torch.Tensor]:
+                     **launch_kw) -> tuple[torch.Tensor, ...]:
     """One rank's call: ``launch(ws, rows, spec, **launch_kw)`` on the group's cached workspace.
 
     Collective: every rank must call it with the same shapes, flags, ``comm_ctas`` and
@@ -94,9 +94,13 @@ def run_on_workspace(rows: Rows, spec: FusedSpec, launch: Launch, *, ring: bool 
             "while capturing a CUDA graph; call reserve() before capture")
     if T == 0:
         S = math.ceil(T / ws.world_size)
-        return (torch.empty((0, H), dtype=spec.out_dtype, device=x.device),
+        outs = (torch.empty((0, H), dtype=spec.out_dtype if spec.quant is None else spec.quant.dtype,
+                            device=x.device),
                 torch.empty((S, H) if spec.residual_out_sharded else (0, H), dtype=spec.residual_dtype,
                             device=x.device))
+        if spec.quant is not None:  # the row scales third (empty for a static scale)
+            outs += (torch.empty((0, 1) if spec.quant.kind == "row" else (0,), device=x.device),)
+        return outs
     check_residual(rows, spec, ws.world_size)
     return launch(ws, rows, spec, **launch_kw)
 
