@@ -2,8 +2,9 @@
 against the float64 oracle.
 
 Not a test module: the CPU interpreter tests (tests/kernels/p2p/test_push_layernorm.py,
-tests/kernels/test_oneshot.py) and the one-GPU emulated-rank tests (tests/kernels/p2p/test_push.py,
-tests/kernels/test_oneshot_gpu.py) import it. :func:`make_inputs` draws fresh random rows with a
+tests/kernels/test_oneshot.py, the pull kernel's in tests/kernels/p2p/test_launch.py) and the one-GPU
+emulated-rank tests (tests/kernels/p2p/test_push.py, tests/kernels/test_oneshot_gpu.py) import it, and
+the launchers' keyword tests use :func:`check_layernorm_keywords`. :func:`make_inputs` draws fresh random rows with a
 common ``offset`` added to every rank's x (a mean the LayerNorm removes and RMSNorm does not);
 :func:`check` compares every rank's outputs with
 :func:`weave_compile.kernels.reference.allreduce_add_rmsnorm_ref` the way
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from tests.kernels._symm_cases import DTYPES, EPS_TENSOR_VALUE, NO_RESIDUAL, sharding
@@ -32,6 +34,41 @@ from weave_compile.kernels.reference import allreduce_add_rmsnorm_ref
 
 #: eps where the case gives it as a number (``eps_tensor`` cases use ``EPS_TENSOR_VALUE``).
 EPS = 1e-5
+
+#: The LayerNorm keywords of the kernels on the shared row bodies (kernels/shared/shapes.layernorm_constexprs).
+LAYERNORM_KEYWORDS = frozenset({"NORM_BIAS", "IS_LAYERNORM", "HAS_NORM_BIAS"})
+
+
+class KernelStub:
+    """Stands in for a Triton kernel: ``stub[grid](*args, **kw)`` records ``kw`` in ``seen`` and runs nothing."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.seen.append(kw)
+
+
+def check_layernorm_keywords(keywords, hidden: int, dtype: torch.dtype) -> None:
+    """A launcher hands its kernel the LayerNorm keywords for a LayerNorm or a norm bias only.
+
+    ``keywords(norm, norm_bias, other_path)`` launches on ``hidden``-wide rows of ``dtype`` with the kernel
+    stubbed (:class:`KernelStub`) and returns the keywords it got; ``other_path``: through the launcher's
+    second entry (the one that copies or stages the rows first). RMSNorm without a norm bias gets none of
+    :data:`LAYERNORM_KEYWORDS` (the kernel binds its defaults: its binary is the one before the variant),
+    ``norm="layernorm"`` IS_LAYERNORM, a norm bias NORM_BIAS (that tensor) and HAS_NORM_BIAS on either path,
+    and a norm bias of the wrong size is refused."""
+    for other_path in (False, True):
+        assert not LAYERNORM_KEYWORDS & set(keywords("rmsnorm", None, other_path)), other_path
+    kw = keywords("layernorm", None, False)
+    assert kw["IS_LAYERNORM"] is True and not {"NORM_BIAS", "HAS_NORM_BIAS"} & set(kw)
+    nb = torch.randn(hidden).to(dtype)
+    for norm, other_path in (("layernorm", False), ("layernorm", True), ("rmsnorm", False)):
+        kw = keywords(norm, nb, other_path)
+        assert kw["HAS_NORM_BIAS"] is True and kw["NORM_BIAS"].data_ptr() == nb.data_ptr(), (norm, other_path)
+        assert kw.get("IS_LAYERNORM", False) == (norm == "layernorm")
+    with pytest.raises(ValueError, match=f"norm_bias must have {hidden} elements"):
+        keywords("layernorm", torch.randn(hidden + 8).to(dtype), False)
 
 
 def ln_case(T, H, dtype="bf16", *, res="full", weight=True, norm_bias=True, bias=False, mid=None, woff=0.0,

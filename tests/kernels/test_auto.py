@@ -526,28 +526,47 @@ def test_without_interference_measurements_the_split_runs_the_gpu_fallback(symm,
 # ----------------------------------------------------------------------------- LayerNorm sites
 
 
-def test_only_the_implementations_that_take_a_layernorm_are_handed_one(symm, tables):
-    assert {e.name for e in registry.implementations() if e.takes_layernorm} == {"reference", "p2p", "ce", "oneshot", "nccl"}
+@pytest.fixture
+def rmsnorm_only():
+    """A registered design that computes RMSNorm only (every built-in one takes a LayerNorm): it runs
+    wherever asked (its check passes) and ``auto`` never takes it by itself."""
+    impl = registry.register(kernels.Implementation(
+        "rmsonly", "a test stand-in that computes RMSNorm only", lambda site: None, lambda rows, spec: None,
+        auto_ready=False))
+    try:
+        yield impl
+    finally:
+        registry.unregister(impl.name)
+
+
+#: What a design that computes RMSNorm only is told at a LayerNorm site: the takers in listing order.
+LAYERNORM_TAKERS = "LayerNorm site: only reference, p2p, multimem, oneshot, ce, nccl compute a LayerNorm"
+
+
+def test_only_the_implementations_that_take_a_layernorm_are_handed_one(symm, tables, rmsnorm_only):
+    assert {e.name for e in registry.implementations() if e.takes_layernorm} == \
+        {"reference", "p2p", "multimem", "ce", "oneshot", "nccl"}
     cpu_ln = site(device=torch.device("cpu"), norm="layernorm")
-    for name in ("multimem",):
+    for name in ("rmsonly",):
         why = auto.takes(registry.get(name), cpu_ln)
-        assert why == ("LayerNorm site: only reference, p2p, oneshot, ce, nccl compute a LayerNorm "
-                       "(the others RMSNorm only)"), name
+        assert why == f"{LAYERNORM_TAKERS} (the others RMSNorm only)", name
         assert auto.takes(registry.get(name), site(device=torch.device("cpu"))) is None, name
         # Forced on CPU ranks: the CPU path, which takes it, with the reason for explain().
         kernel, reason = auto.choose(name, cpu_ln)
         assert kernel == "reference" and f"requested {name!r} unavailable: LayerNorm site" in reason, reason
-    for name in ("p2p", "oneshot", "nccl"):  # (their compile-time checks want CUDA)
+    for name in ("p2p", "multimem", "oneshot", "nccl"):  # (their compile-time checks want CUDA)
         assert auto.takes(registry.get(name), cpu_ln) is None, name
     assert auto.choose("auto", cpu_ln)[0] == "reference"
 
 
-def test_a_layernorm_site_on_a_gpu_gets_its_kernels_and_the_others_the_floor_rule(symm, tables, ready):
-    """p2p's push kernel, oneshot's kernel and nccl's add+norm kernel compute a LayerNorm on GPUs: p2p and
-    oneshot forced take a LayerNorm site as they take an RMSNorm one, and auto decides one as it would an
-    RMSNorm site (oneshot below its crossover once ready); a design that computes RMSNorm only, forced,
-    gets the GPU fallback under the floor rule of any site (as written without a floor measurement, or
-    where plain Inductor measured faster), the LayerNorm named in the reason."""
+def test_a_layernorm_site_on_a_gpu_gets_its_kernels_and_the_others_the_floor_rule(symm, tables, ready,
+                                                                                  rmsnorm_only):
+    """p2p's push kernel, oneshot's kernel and nccl's add+norm kernel compute a LayerNorm on GPUs (and
+    multimem's pull kernel, compiled only): p2p and oneshot forced take a LayerNorm site as they take an
+    RMSNorm one, multimem too where the probe finds multicast, and auto decides one as it would an RMSNorm
+    site (oneshot below its crossover once ready); a design that computes RMSNorm only, forced, gets the GPU
+    fallback under the floor rule of any site (as written without a floor measurement, or where plain
+    Inductor measured faster), the LayerNorm named in the reason."""
     ready("oneshot")
     ln = site(norm="layernorm", num_tokens=4096, size_hint=4096)
     rms = site(num_tokens=4096, size_hint=4096)
@@ -558,18 +577,20 @@ def test_a_layernorm_site_on_a_gpu_gets_its_kernels_and_the_others_the_floor_rul
     small_ln, small_rms = site(norm="layernorm", num_tokens=16, size_hint=16), site(num_tokens=16, size_hint=16)
     kernel, reason = auto.choose("auto", small_ln)
     assert kernel == "oneshot" == auto.choose("auto", small_rms)[0], reason
-    kernel, reason = auto.choose("multimem", ln)
+    kernel, reason = auto.choose("rmsonly", ln)
     assert kernel == AS_WRITTEN, reason
-    assert "LayerNorm site: only reference, p2p, oneshot, ce, nccl compute a LayerNorm" in reason
+    assert LAYERNORM_TAKERS in reason
     assert "no floor measured at world size 2" in reason, reason
     kernel, reason = auto.choose("auto", ln)
     assert kernel == AS_WRITTEN == auto.choose("auto", rms)[0], reason  # nothing measured: as written either way
     tables(FLOOR=FLOOR)
-    kernel, reason = auto.choose("multimem", ln)
+    kernel, reason = auto.choose("rmsonly", ln)
     assert kernel == "nccl", reason
-    assert reason.startswith("requested 'multimem' unavailable: LayerNorm site: only reference, p2p, oneshot, ce, nccl") \
+    assert reason.startswith(f"requested 'rmsonly' unavailable: {LAYERNORM_TAKERS}") \
         and "GPU fallback nccl" in reason, reason
-    kernel, reason = auto.choose("multimem", site(norm="layernorm", num_tokens=16, size_hint=16))
+    kernel, reason = auto.choose("rmsonly", site(norm="layernorm", num_tokens=16, size_hint=16))
     assert kernel == AS_WRITTEN and "LayerNorm site" in reason, reason  # the floor: plain Inductor faster there
     kernel, reason = auto.choose("auto", ln)
     assert kernel == "nccl" == auto.choose("auto", rms)[0] and "GPU fallback nccl" in reason, reason
+    symm.update(variant="multimem", reason="multicast pointer present")
+    assert auto.choose("multimem", ln) == auto.choose("multimem", rms) == ("multimem", "requested")

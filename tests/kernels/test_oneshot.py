@@ -507,21 +507,17 @@ def test_layernorm_compiles_for_sm90_with_volatile_waits(dtype, rdt, sharded, no
 def test_the_launcher_passes_the_layernorm_keywords_only_for_a_layernorm_or_a_norm_bias(monkeypatch):
     """RMSNorm without a norm bias launches with none of the variant's keywords (its kernel and binary are
     the ones they were); ``norm="layernorm"`` sets IS_LAYERNORM, a norm bias NORM_BIAS and HAS_NORM_BIAS,
-    also through ``oneshot_allreduce_rmsnorm``, which copies the rows first. The kernel is stubbed."""
-    seen = []
-
-    class _Stub:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: seen.append(kw)
-
-    monkeypatch.setattr(oneshot_kernel, "_oneshot_allreduce_rmsnorm_kernel", _Stub())
+    also through ``oneshot_allreduce_rmsnorm``, which copies the rows first (``lc.check_layernorm_keywords``).
+    The kernel is stubbed."""
+    stub = lc.KernelStub()
+    monkeypatch.setattr(oneshot_kernel, "_oneshot_allreduce_rmsnorm_kernel", stub)
     H, T, bf = 64, 6, torch.bfloat16
     lay = oneshot_ws.layout(8, 2, H, bf, bf)
     ws = oneshot_ws.workspace_from_buffers([torch.zeros(lay.total, dtype=torch.uint8) for _ in range(2)], 0,
                                            hidden=H, in_dtype=bf, res_dtype=bf, capacity=8)
     x = torch.randn(T, H).to(bf)
 
-    def keywords(norm="rmsnorm", nb=None, whole_op=False):
+    def keywords(norm, nb, whole_op):
         spec = FusedSpec(residual_dtype=bf, out_dtype=bf, comm_ctas=2, norm=norm)
         if whole_op:
             oneshot_kernel.oneshot_allreduce_rmsnorm(Rows(torch.randn(T, 2 * H).to(bf)[:, ::2], norm_bias=nb), spec,
@@ -529,19 +525,9 @@ def test_the_launcher_passes_the_layernorm_keywords_only_for_a_layernorm_or_a_no
         else:
             oneshot_kernel.launch(ws, Rows(x, norm_bias=nb), spec, torch.empty(T, H, dtype=bf),
                                   torch.empty(T, H, dtype=bf))
-        return seen.pop()
+        return stub.seen.pop()
 
-    variant = {"NORM_BIAS", "IS_LAYERNORM", "HAS_NORM_BIAS"}
-    assert not variant & set(keywords())
-    kw = keywords("layernorm")
-    assert kw["IS_LAYERNORM"] is True and not {"NORM_BIAS", "HAS_NORM_BIAS"} & set(kw)
-    nb = torch.randn(H).to(bf)
-    for norm, whole_op in (("layernorm", False), ("layernorm", True), ("rmsnorm", False)):
-        kw = keywords(norm, nb, whole_op)
-        assert kw["HAS_NORM_BIAS"] is True and kw["NORM_BIAS"].data_ptr() == nb.data_ptr(), (norm, whole_op)
-        assert kw.get("IS_LAYERNORM", False) == (norm == "layernorm")
-    with pytest.raises(ValueError, match="norm_bias must have 64 elements"):
-        keywords("layernorm", torch.randn(H + 8).to(bf))
+    lc.check_layernorm_keywords(keywords, H, bf)
 
 
 # ----------------------------------------------------------------------------- selection (explain's pick and reason)

@@ -243,13 +243,20 @@ def test_the_symm_kernels_take_no_scale():
                               kernel="p2p", comm_ctas=8, scale=torch.tensor(2.0))
 
 
-@pytest.mark.parametrize("kernel", ["multimem"])
-def test_the_rmsnorm_only_kernels_take_no_layernorm(kernel):
-    with pytest.raises(ValueError, match=f"kernel '{kernel}' computes RMSNorm only"):
-        allreduce_add_rmsnorm(torch.randn(2, 8), None, None, None, eps=1e-6, group_name="0",
-                              residual_dtype=torch.float32, out_dtype=torch.float32, mid_dtype=None,
-                              weight_offset=0.0, residual_in_sharded=False, residual_out_sharded=False,
-                              kernel=kernel, comm_ctas=8, norm="layernorm")
+def test_the_rmsnorm_only_kernels_take_no_layernorm():
+    """Every built-in implementation takes a LayerNorm: a registered stand-in that does not is refused one
+    (and a norm bias), the takers named; its run is never called."""
+    kernels.register(kernels.Implementation("rmsonly", "a test stand-in that computes RMSNorm only",
+                                            lambda site: None, lambda rows, spec: pytest.fail("ran")))
+    try:
+        for kw in (dict(norm="layernorm"), dict(norm_bias=torch.randn(8))):
+            with pytest.raises(ValueError, match=r"kernel 'rmsonly' computes RMSNorm only.*'multimem'"):
+                allreduce_add_rmsnorm(torch.randn(2, 8), None, None, None, eps=1e-6, group_name="0",
+                                      residual_dtype=torch.float32, out_dtype=torch.float32, mid_dtype=None,
+                                      weight_offset=0.0, residual_in_sharded=False, residual_out_sharded=False,
+                                      kernel="rmsonly", comm_ctas=8, **kw)
+    finally:
+        kernels.unregister("rmsonly")
 
 
 def test_batch_invariant_runs_on_the_implementations_that_claim_it_only():
@@ -266,7 +273,7 @@ def test_batch_invariant_runs_on_the_implementations_that_claim_it_only():
 
 #: The symmetric-memory kernels that take a LayerNorm (``takes_layernorm``): on CPU tensors they run the
 #: fallback (reference), which must compute it.
-LAYERNORM_SYMM_KERNELS = ("p2p", "oneshot")
+LAYERNORM_SYMM_KERNELS = ("p2p", "multimem", "oneshot")
 
 
 def _forced_layernorm(rank, world_size, seed):

@@ -173,17 +173,45 @@ def test_default_push_shapes_do_not_spill_with_layernorm(world, hidden, dtype, r
 
 
 @requires_triton
-def test_push_layernorm_variant_compiles_only_where_asked():
+@pytest.mark.parametrize("kernel", ["push", "pull", "pull_multimem"])
+def test_layernorm_variant_compiles_only_where_asked(kernel):
     """The keywords reach the kernel: the LayerNorm compiles to other code than the RMSNorm with the same
-    parameters, a norm bias adds one pointer parameter; the pull kernel has no such variant."""
-    rms = compile_variant_ptx("push", torch.bfloat16, 8192)
-    ln = compile_variant_ptx("push", torch.bfloat16, 8192, norm="layernorm")
-    ln_nb = compile_variant_ptx("push", torch.bfloat16, 8192, norm="layernorm", has_norm_bias=True)
+    parameters, a norm bias adds one pointer parameter (the push kernel, and the pull kernel with peer
+    loads or multimem instructions)."""
+    rms = compile_variant_ptx(kernel, torch.bfloat16, 8192)
+    ln = compile_variant_ptx(kernel, torch.bfloat16, 8192, norm="layernorm")
+    ln_nb = compile_variant_ptx(kernel, torch.bfloat16, 8192, norm="layernorm", has_norm_bias=True)
     params = [len(re.findall(r"^\s*\.param\b", p, re.M)) for p in (rms, ln, ln_nb)]
     assert params[0] == params[1] and params[2] == params[1] + 1, params
     assert rms != ln and ln != ln_nb
-    with pytest.raises(ValueError, match="only the push kernel"):
-        compile_variant_ptx("pull", torch.bfloat16, 4096, norm="layernorm")
+    assert all(("multimem.ld_reduce" in p) == (kernel == "pull_multimem") for p in (rms, ln, ln_nb))
+
+
+#: The multimem pull kernel's LayerNorm variant, (H, rows per rank, extra keywords): the launcher's shapes at
+#: 32 CTAs (the default), one-row tiles up to 32 shard rows, two from 64, r_max (4 rows at H=4096, 2 at 8192)
+#: beyond. ``full``: the norm bias, a mid dtype and sharded residuals on top of the bias, weight and residual.
+_FULL_LN = dict(has_norm_bias=True, mid_dtype=torch.bfloat16, residual_in_sharded=True, residual_out_sharded=True)
+
+
+@requires_triton
+@pytest.mark.parametrize("hidden,rows_per_rank,full", [
+    (4096, 1, True), (4096, 32, False), (4096, 64, True), (4096, 1 << 19, False),
+    (8192, 1, False), (8192, 32, True)],
+    ids=["4096-1row-full", "4096-1row", "4096-2rows-full", "4096-4rows", "8192-1row", "8192-1row-full"])
+def test_multimem_layernorm_variant_compiles_for_sm90_without_spilling(hidden, rows_per_rank, full):
+    """``multimem``'s LayerNorm variant (USE_MULTIMEM, IS_LAYERNORM: the second pass over the tile in
+    registers; HAS_NORM_BIAS where ``full``) compiles for sm_90 at the launcher's default shapes, with the
+    multimem instructions, and fits the registers without spilling. It never runs (no multicast in this
+    project): this is its check. Not listed, because they spill: H=8192's 2-row tiles (from 64 shard rows
+    on; the RMSNorm kernel spills there too) and H=4096's 4-row tiles with a norm bias (docs/kernels.md)."""
+    extra = _FULL_LN if full else {}
+    asm = compile_variant_ptx("pull_multimem", torch.bfloat16, hidden, norm="layernorm", rows_per_rank=rows_per_rank,
+                              return_all=True, **extra)
+    ptx = asm["ptx"]
+    assert ".target sm_90" in ptx and len(asm["cubin"]) > 0
+    assert "multimem.ld_reduce.relaxed.sys.global.add.acc::f32.v4.bf16x2" in ptx
+    assert "multimem.st.relaxed.sys.global.v4.bf16x2" in ptx
+    assert all(s == (0, 0) for s in _ptxas_spills(ptx))
 
 
 @requires_triton

@@ -30,14 +30,17 @@ from weave_compile.kernels.spec import FusedSpec, Rows
 PTX_KERNELS = ("push", "pull", "pull_multimem")
 
 
-def p2p_pull(x: torch.Tensor, residual=None, bias=None, weight=None, *, channel: int = 0,
+def p2p_pull(x: torch.Tensor, residual=None, bias=None, weight=None, *, norm_bias=None, channel: int = 0,
              num_warps: Optional[int] = None, **spec_kw):
     """The pull kernel with plain peer loads and stores (no multicast) on the group's cached
-    workspace; the keywords of :func:`weave_compile.kernels.p2p.launch.allreduce_rmsnorm`."""
+    workspace; the keywords of :func:`weave_compile.kernels.p2p.launch.allreduce_rmsnorm` (``norm`` and
+    ``norm_bias`` included: the kernel's LayerNorm variant) but ``eps_tensor`` (the pull kernel reads eps
+    on the host)."""
     if not common.HAS_TRITON:
         raise RuntimeError("triton is not available")
     spec = FusedSpec.for_rows(x, residual, **spec_kw)
-    return run_on_workspace(Rows(x, residual, bias, weight), spec, functools.partial(pull_on, use_multimem=False),
+    return run_on_workspace(Rows(x, residual, bias, weight, norm_bias=norm_bias), spec,
+                            functools.partial(pull_on, use_multimem=False),
                             channel=channel, num_warps=num_warps)
 
 
@@ -61,8 +64,9 @@ def compile_variant_ptx(kernel: str, dtype: torch.dtype, hidden: int,
     the launcher would pick for ``rows_per_rank`` and ``comm_ctas``; ``out_in_region`` (push) is
     the mode that leaves the normed output in the ring, ``eps_ptr`` (push) the one reading eps from
     a float64 device tensor (``torch.compile(dynamic=True)``), ``norm="layernorm"`` and
-    ``has_norm_bias`` (push) its LayerNorm variant (``IS_LAYERNORM``, ``HAS_NORM_BIAS``; RMSNorm
-    without a norm bias compiles the kernel without either keyword, as the launcher does),
+    ``has_norm_bias`` (push and both pull kernels) their LayerNorm variant (``IS_LAYERNORM``,
+    ``HAS_NORM_BIAS``; RMSNorm without a norm bias compiles the kernel without either keyword, as the
+    launchers do),
     ``batch_invariant`` (push) its rank-order variant (``RANK_ORDER`` on
     :func:`weave_compile.kernels.p2p.launch.invariant_meta`'s shape; without it no keyword).  With
     ``return_all`` the whole ``asm`` dict (ttir, ttgir, llir, ptx, cubin) is returned."""
@@ -74,9 +78,6 @@ def compile_variant_ptx(kernel: str, dtype: torch.dtype, hidden: int,
         raise ValueError(f"batch_invariant: only the push kernel has a rank-order variant, not {kernel!r}")
     if eps_ptr and kernel != "push":
         raise ValueError(f"eps_ptr: only the push kernel reads eps from a tensor, not {kernel!r}")
-    if (norm != "rmsnorm" or has_norm_bias) and kernel != "push":
-        raise ValueError(f"norm={norm!r}, has_norm_bias={has_norm_bias}: only the push kernel computes a "
-                         f"LayerNorm, not {kernel!r}")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -113,13 +114,8 @@ def compile_variant_ptx(kernel: str, dtype: torch.dtype, hidden: int,
         consts = dict(p2p_launch.push_constexprs(meta, **flags), PHASES=7, SYNC=True,
                       OUT_IN_REGION=bool(out_in_region), IDX64=common.needs_int64(extent),
                       EPS_PTR=bool(eps_ptr))
-        consts.update(layernorm_constexprs(norm, None))
         if batch_invariant:
             consts["RANK_ORDER"] = True
-        if has_norm_bias:
-            consts["HAS_NORM_BIAS"] = True
-            runtime_sig["NORM_BIAS"] = sig(dtype)
-            aligned.append("NORM_BIAS")
         if eps_ptr:
             runtime_sig["eps"] = "*fp64"
         # out_ring_row is not declared 16-divisible: the stores must vectorize regardless
@@ -130,7 +126,14 @@ def compile_variant_ptx(kernel: str, dtype: torch.dtype, hidden: int,
         fn = pull_allreduce_rmsnorm_kernel
         meta = launch_meta(hidden, rows_per_rank, comm_ctas, num_warps)
         consts = pull_constexprs(kernel == "pull_multimem", block_h=meta.block_h,
-                                        block_rows=int(block_rows or meta.block_rows), **flags)
+                                 block_rows=int(block_rows or meta.block_rows), **flags)
+    # The launchers' LayerNorm keywords (none for RMSNorm without a norm bias); the NORM_BIAS row is a
+    # run-time pointer where there is one.
+    consts.update(layernorm_constexprs(norm, None))
+    if has_norm_bias:
+        consts["HAS_NORM_BIAS"] = True
+        runtime_sig["NORM_BIAS"] = sig(dtype)
+        aligned.append("NORM_BIAS")
     # A constexpr not given takes its default, as at a launch (not None: `QUANT > 0` must hold 0).
     consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
     signature = {name: (runtime_sig[name] if name in runtime_sig else "constexpr")

@@ -7,7 +7,9 @@ CPU (need triton):
     under Triton's CPU interpreter (``TRITON_INTERPRET=1``), one process per rank, peer
     buffers and signal pads in shared memory (a CPU stand-in for the symmetric workspace):
     checks the math, sharding, masking, and that the signal pads pair up and reset
-    themselves across back-to-back launches.
+    themselves across back-to-back launches; then the pull kernel's LayerNorm variant (the
+    ``multimem`` kernel's, with peer loads and stores) on LayerNorm cases, every rank's
+    outputs checked against the float64 oracle by ``tests/kernels/_layernorm_cases.py``.
 
 GPU (``-m gpu``, need >= 2 CUDA devices; never runs the multimem kernel):
   correctness matrix, 1000 back-to-back calls, CUDA graph capture + replay.  Each test runs
@@ -37,9 +39,10 @@ import torch
 THIS_FILE = os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(THIS_FILE)))))  # script mode
 
+from tests.kernels import _layernorm_cases as lc  # noqa: E402
 from tests.kernels._symm_cases import (case_name, check_outputs, eps_args, kernel_kwargs,  # noqa: E402
                                        make_case, make_inputs, reference, rows_ref, run_script, shard_rows,
-                                       spawn_ranks)
+                                       sharding, spawn_ranks)
 from weave_compile import kernels  # noqa: E402
 from weave_compile.kernels.p2p import launch  # noqa: E402
 from weave_compile.kernels.shared import probe, symm_call, workspace  # noqa: E402
@@ -191,7 +194,8 @@ def test_public_launcher_rejects_bad_arguments(monkeypatch):
 @requires_triton
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_kernel_in_cpu_interpreter(world):
-    """Runs the real push and pull kernels under TRITON_INTERPRET=1, one process per rank."""
+    """Runs the real push and pull kernels under TRITON_INTERPRET=1, one process per rank (the pull
+    kernel's LayerNorm variant included)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     rc, out = run_script(THIS_FILE, ["--interp-sim", "--world", str(world)], timeout=900, env=env)
     assert rc == 0, out[-8000:]
@@ -214,44 +218,85 @@ SIM_CASES = [
 ]
 SIM_REPEATS = 2  # every case twice in a row with fresh data: pads must reset
 
+#: The pull kernel's LayerNorm variant (``p2p_pull``: the ``multimem`` kernel with peer loads and stores),
+#: after the cases above (2- and 4-row tiles at 2 ranks): weight and norm bias with a pre-norm bias, the norm bias
+#: alone (sharded residuals), neither (fp32 in, mixed dtypes), the weight alone (no residual in, a mid dtype
+#: and Gemma's 1 + w), T < ranks, and RMSNorm with a norm bias (``HAS_NORM_BIAS`` alone). eps as a number:
+#: the pull kernel reads it on the host.
+SIM_LN_CASES = [
+    lc.ln_case(7, 40, "bf16", bias=True, seed=1),
+    lc.ln_case(13, 40, "bf16", res="shard_both", weight=False, seed=2),
+    lc.ln_case(10, 40, "fp32", res_dtype="fp32", out_dtype="bf16", res="shard_out", weight=False, norm_bias=False,
+               ctas=3, seed=3),
+    lc.ln_case(9, 48, "bf16", res="first", norm_bias=False, mid="bf16", woff=1.0, seed=4),
+    lc.ln_case(1, 40, "bf16", seed=5),
+    lc.ln_case(8, 40, "bf16", norm="rmsnorm", offset=0.0, seed=6),
+]
 
-def _sim_worker(rank, world, pools, status, barrier, failures):
+
+def _sim_workspace(rank, world, pools, status, T, H, channel, dt, odt, rdt):
+    """This rank's workspace over the shared pools for one launch, its own regions poisoned; the launchers'
+    ``get_workspace`` answers it."""
+    pin, pout, pres, pads = pools
+    cap = math.ceil(T / world) * world
+
+    def region(pool, dtype):
+        n = cap * H * torch.empty((), dtype=dtype).element_size()
+        return pool[:n].view(dtype).view(cap, H)
+
+    inp = [region(pin[p], dt) for p in range(world)]
+    out = [region(pout[p], odt) for p in range(world)]
+    res = [region(pres[p], rdt) for p in range(world)]
+    # Only touch our own buffers, and only between our own launches.
+    inp[rank][T:].fill_(float("nan"))
+    out[rank].fill_(float("nan"))
+    res[rank].fill_(float("nan"))
+    table = build_ptr_table([[t.data_ptr() for t in bufs] for bufs in (inp, out, res)],
+                            [p.data_ptr() for p in pads])
+    ws = workspace.SymmWorkspace(
+        group_name="sim", device=torch.device("cpu"), in_dtype=dt, out_dtype=odt,
+        res_dtype=rdt, hidden=H, channel=channel, capacity=cap, rank=rank,
+        world_size=world, buffer=pin[rank], handle=None, inp=inp[rank], out=out[rank],
+        res=res[rank], ptr_table=table,
+        status=status[rank], multicast_ptr=0,
+        pad_offset=pad_offset_for(channel, world))
+    symm_call.get_workspace = lambda *a, **k: ws  # the CPU stand-in for the symmetric buffers
+    return ws
+
+
+def _sim_layernorm(rank, world, pools, status, ln_outs):
+    """This rank's pull launches of :data:`SIM_LN_CASES`, its outputs copied into ``ln_outs[case][rank]``
+    (shared memory: the parent checks every rank's together)."""
+    for ci, c in enumerate(SIM_LN_CASES):
+        xs, residual, bias, weight, nb = lc.make_inputs(c, world, "cpu")
+        dt, rdt, odt = lc.dtypes(c)
+        _sim_workspace(rank, world, pools, status, c["T"], c["H"], c["channel"], dt, odt, rdt)
+        res_in = lc.rank_residual(c, world, rank, residual)
+        if res_in is not None and sharding(c)[0]:  # NaN in the shard's rows past T: the kernel must not read them
+            S = math.ceil(c["T"] / world)
+            res_in[max(0, min(S, c["T"] - rank * S)):] = float("nan")
+        normed, res_out = p2p_pull(xs[rank], res_in, bias, weight, norm_bias=nb, group_name="sim",
+                                   residual_dtype=rdt, out_dtype=odt, comm_ctas=c["ctas"], channel=c["channel"],
+                                   **lc.spec_kwargs(c, "cpu"))
+        ln_outs[ci][rank][0].copy_(normed)
+        ln_outs[ci][rank][1].copy_(res_out)
+        print(f"[rank {rank}] p2p_pull {lc.case_name(c):70s} done", flush=True)
+
+
+def _sim_worker(rank, world, pools, status, barrier, failures, ln_outs):
     torch.set_num_threads(1)
     assert os.environ.get("TRITON_INTERPRET") == "1"
     interpreter_compat()
-    pin, pout, pres, pads = pools
+    pads = pools[3]
     for ci, c0 in enumerate(SIM_CASES * SIM_REPEATS):
         c = dict(c0, seed=c0["seed"] * 1000 + ci)
         T, H = c["T"], c["H"]
-        S = math.ceil(T / world)
-        cap = S * world
         xs, residual, bias, weight = make_inputs(c, world, "cpu")
         kw = kernel_kwargs(c)
         dt = xs[0].dtype
         odt = kw["out_dtype"] or dt
         rdt = kw["residual_dtype"] or (residual.dtype if residual is not None else dt)
-
-        def region(pool, dtype):
-            n = cap * H * torch.empty((), dtype=dtype).element_size()
-            return pool[:n].view(dtype).view(cap, H)
-
-        inp = [region(pin[p], dt) for p in range(world)]
-        out = [region(pout[p], odt) for p in range(world)]
-        res = [region(pres[p], rdt) for p in range(world)]
-        # Only touch our own buffers, and only between our own launches.
-        inp[rank][T:].fill_(float("nan"))
-        out[rank].fill_(float("nan"))
-        res[rank].fill_(float("nan"))
-        table = build_ptr_table([[t.data_ptr() for t in bufs] for bufs in (inp, out, res)],
-                                [p.data_ptr() for p in pads])
-        ws = workspace.SymmWorkspace(
-            group_name="sim", device=torch.device("cpu"), in_dtype=dt, out_dtype=odt,
-            res_dtype=rdt, hidden=H, channel=c["channel"], capacity=cap, rank=rank,
-            world_size=world, buffer=pin[rank], handle=None, inp=inp[rank], out=out[rank],
-            res=res[rank], ptr_table=table,
-            status=status[rank], multicast_ptr=0,
-            pad_offset=pad_offset_for(c["channel"], world))
-        symm_call.get_workspace = lambda *a, **k: ws  # the CPU stand-in for the symmetric buffers
+        ws = _sim_workspace(rank, world, pools, status, T, H, c["channel"], dt, odt, rdt)
         res_in = None
         if residual is not None:
             res_in = shard_rows(residual, world, rank) if kw["residual_in_sharded"] else residual
@@ -272,6 +317,7 @@ def _sim_worker(rank, world, pools, status, barrier, failures):
               f"err_n={en:.2e} err_r={er:.2e} {msg}", flush=True)
         if not ok:
             failures[rank] += 1
+    _sim_layernorm(rank, world, pools, status, ln_outs)
     barrier.wait()  # everybody is done: no signal can be in flight any more
     if int(status[rank].item()) != 0:
         print(f"[rank {rank}] barrier timeouts: {int(status[rank].item())}", flush=True)
@@ -286,17 +332,23 @@ def interp_sim_main(world: int) -> int:
     import torch.multiprocessing as mp
 
     os.environ.setdefault(ENV_SPIN_LIMIT, str(1 << 22))
-    max_bytes = max(math.ceil(c["T"] / world) * world * c["H"] * 4 for c in SIM_CASES)
+    max_bytes = max(math.ceil(c["T"] / world) * world * c["H"] * 4 for c in SIM_CASES + SIM_LN_CASES)
     pools = tuple([torch.zeros(max_bytes, dtype=torch.uint8).share_memory_()
                    for _ in range(world)] for _ in range(3))
     pads = [torch.zeros(4096, dtype=torch.int32).share_memory_() for _ in range(world)]
     status = [torch.zeros(1, dtype=torch.int32).share_memory_() for _ in range(world)]
     failures = torch.zeros(world, dtype=torch.int64).share_memory_()
     barrier = mp.get_context("spawn").Barrier(world)
+    ln_outs = [[tuple(t.share_memory_() for t in outs) for outs in lc.poisoned_outputs(c, world, "cpu")]
+               for c in SIM_LN_CASES]
     t0 = time.time()
-    spawn_ranks(_sim_worker, world, (pools + (pads,), status, barrier, failures), timeout=800)
+    spawn_ranks(_sim_worker, world, (pools + (pads,), status, barrier, failures, ln_outs), timeout=800)
     nfail = int(failures.sum().item())
-    print(f"world={world}: {len(SIM_CASES) * SIM_REPEATS} launches per rank, "
+    for c, outs in zip(SIM_LN_CASES, ln_outs):
+        errs = lc.check(c, world, outs, lc.make_inputs(c, world, "cpu"))
+        print(f"p2p_pull {lc.case_name(c):70s} {'ok' if not errs else 'FAIL ' + '; '.join(errs)}", flush=True)
+        nfail += bool(errs)
+    print(f"world={world}: {len(SIM_CASES) * SIM_REPEATS + len(SIM_LN_CASES)} launches per rank, "
           f"{nfail} failures, {time.time() - t0:.1f} s")
     if nfail == 0:
         print("INTERP-SIM OK")

@@ -96,42 +96,28 @@ def _property(examples: int) -> int:
 def test_the_launcher_passes_the_layernorm_keywords_only_for_a_layernorm_or_a_norm_bias(monkeypatch):
     """RMSNorm without a norm bias launches with none of the variant's keywords (its kernel and binary
     are the ones they were); ``norm="layernorm"`` sets IS_LAYERNORM, a norm bias NORM_BIAS and
-    HAS_NORM_BIAS, also where ``push_on`` copies a strided x first. The kernel is stubbed: nothing runs."""
+    HAS_NORM_BIAS, also where ``push_on`` copies a strided x first (``lc.check_layernorm_keywords``). The
+    kernel is stubbed: nothing runs."""
     from weave_compile.kernels.p2p import launch
     from weave_compile.kernels.spec import FusedSpec, Rows
     from weave_compile.testing.emulated_ranks import EmulatedRanks
 
-    seen = []
-
-    class _Stub:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: seen.append(kw)
-
-    monkeypatch.setattr(launch, "push_allreduce_rmsnorm_kernel", _Stub())
+    stub = lc.KernelStub()
+    monkeypatch.setattr(launch, "push_allreduce_rmsnorm_kernel", stub)
     H, T, bf = 64, 6, torch.bfloat16
     ws = EmulatedRanks.create(2, H, T, dtype=bf, device="cpu").workspaces[0]
     x = torch.randn(T, H).to(bf)
 
-    def keywords(norm="rmsnorm", nb=None, strided=False):
+    def keywords(norm, nb, strided):
         spec = FusedSpec(residual_dtype=bf, out_dtype=bf, comm_ctas=2, norm=norm)
         if strided:  # push_on copies a non-contiguous x: the norm bias must survive the copy of the rows
             launch.push_on(ws, Rows(torch.randn(T, 2 * H).to(bf)[:, ::2], norm_bias=nb), spec)
         else:
             out = (torch.empty(T, H, dtype=bf), torch.empty(T, H, dtype=bf))
             launch.launch_push(ws, Rows(x, norm_bias=nb), spec, *out)
-        return seen.pop()
+        return stub.seen.pop()
 
-    variant = {"NORM_BIAS", "IS_LAYERNORM", "HAS_NORM_BIAS"}
-    assert not variant & set(keywords())
-    kw = keywords("layernorm")
-    assert kw["IS_LAYERNORM"] is True and not {"NORM_BIAS", "HAS_NORM_BIAS"} & set(kw)
-    nb = torch.randn(H).to(bf)
-    for norm, strided in (("layernorm", False), ("layernorm", True), ("rmsnorm", False)):
-        kw = keywords(norm, nb, strided)
-        assert kw["HAS_NORM_BIAS"] is True and kw["NORM_BIAS"].data_ptr() == nb.data_ptr(), (norm, strided)
-        assert kw.get("IS_LAYERNORM", False) == (norm == "layernorm")
-    with pytest.raises(ValueError, match="norm_bias must have 64 elements"):
-        keywords("layernorm", torch.randn(H + 8).to(bf))
+    lc.check_layernorm_keywords(keywords, H, bf)
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])

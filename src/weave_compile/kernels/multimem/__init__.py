@@ -4,7 +4,10 @@ TokenWeave's own design, for machines whose symmetric memory has a multicast obj
 launched in this project (multicast stays off on the shared machines): :mod:`.ptx` holds the
 instructions, compile-checked for sm_90, :mod:`.pull` the kernel (which without multicast reads
 the peers with plain loads: a measurement hook), :mod:`.launch` its launcher. This module is
-its registry entry.
+its registry entry. It takes LayerNorm sites (``takes_layernorm``): the kernel's LayerNorm variant
+(the centred row's mean square as the variance, the norm bias after the weight) at RMSNorm's launch
+shapes, compiled for sm_90 and never run, as the rest of this design; the RMSNorm kernel compiles to
+the PTX it did before the variant existed.
 """
 
 from __future__ import annotations
@@ -44,5 +47,5 @@ def _run(rows, spec):
 IMPLEMENTATION = Implementation(
     "multimem", "pull kernel: multimem.ld_reduce / multimem.st through NVLink SHARP (multicast machines)",
     _check, _run, reserve=_reserve, workspaces=WORKSPACES,
-    capacity_error=SymmCapacityError, note=_note, auto_rank=0, auto_preferred=True,
+    capacity_error=SymmCapacityError, takes_layernorm=True, note=_note, auto_rank=0, auto_preferred=True,
     auto_ready=False)

@@ -4,7 +4,10 @@
 is ``multimem.ld_reduce`` and the all-gather ``multimem.st`` through the multicast address, which
 exists only where PyTorch made a multicast object (checked here: never a multimem instruction
 without one); without, the same kernel with plain peer loads and stores (a measurement and
-test hook, ``weave_compile.testing.ptx.p2p_pull``).
+test hook, ``weave_compile.testing.ptx.p2p_pull``). ``spec.norm`` picks RMSNorm or LayerNorm and
+``rows.norm_bias`` is a LayerNorm's bias after the weight: the kernel's LayerNorm variant, whose
+keywords (:func:`weave_compile.kernels.shared.shapes.layernorm_constexprs`) an RMSNorm without a norm
+bias does not get, so its kernel compiles as before.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Optional
 import torch
 
 from ..shared.common import interpreting, spin_limit, vector_width
-from ..shared.shapes import LaunchMeta, launch_meta, norm_constexprs
+from ..shared.shapes import LaunchMeta, launch_meta, layernorm_constexprs, norm_constexprs
 from ..shared.symm_call import contiguous_inputs
 from ..shared.workspace import SymmWorkspace
 from ..spec import FusedSpec, Rows
@@ -38,6 +41,11 @@ def launch_pull(ws: SymmWorkspace, rows: Rows, spec: FusedSpec, residual_out: Op
     S = math.ceil(num_tokens / N)
     dummy = ws.ptr_table  # any valid tensor for absent pointer arguments (never read)
     residual, bias, weight = contiguous_inputs(rows)
+    norm_bias = rows.norm_bias
+    if norm_bias is not None:
+        if norm_bias.numel() != H:
+            raise ValueError(f"norm_bias must have {H} elements, got shape {tuple(norm_bias.shape)}")
+        norm_bias = norm_bias.reshape(H).contiguous()
     meta = launch_meta(H, S, spec.comm_ctas, num_warps)
     consts = pull_constexprs(
         use_multimem, world_size=N, hidden=H, block_h=meta.block_h, block_rows=meta.block_rows,
@@ -52,7 +60,8 @@ def launch_pull(ws: SymmWorkspace, rows: Rows, spec: FusedSpec, residual_out: Op
         num_tokens, S, ws.rank, ws.pad_offset,
         residual.stride(0) if residual is not None else 0,
         residual_out.stride(0) if residual_out is not None else 0,
-        float(spec.eps), float(spec.weight_offset), num_warps=meta.num_warps, num_stages=1, **consts)
+        float(spec.eps), float(spec.weight_offset), num_warps=meta.num_warps, num_stages=1, **consts,
+        **layernorm_constexprs(spec.norm, norm_bias))
     return meta
 
 

@@ -6,7 +6,7 @@ owns the rows ``[r*S, (r+1)*S) ∩ [0, T)``.  For every owned row the kernel
 1. *reduce-scatter*: reads that row of every peer's symmetric input buffer and sums in fp32
    (``p2p_pull``: plain peer loads), or lets the NVSwitch do it with ``multimem.ld_reduce``
    (``multimem``);
-2. runs the shared add + RMSNorm body (:mod:`weave_compile.kernels.shared.rownorm`);
+2. runs the shared add + RMSNorm (or LayerNorm) body (:mod:`weave_compile.kernels.shared.rownorm`);
 3. *all-gather*: stores the normed row (and the new residual unless it stays sharded) into
    every peer's symmetric output buffer (plain peer stores, or ``multimem.st``).
 
@@ -15,6 +15,19 @@ Two block barriers (:mod:`weave_compile.kernels.shared.sync`): **entry**, before
 about to overwrite), and **exit**, after the broadcast stores (every peer CTA finished reading our
 input and writing our outputs, so the copy-out that follows sees every row and our next staging
 copy cannot race a slow peer).  The caller stages ``x`` into the symmetric input buffer and copies the outputs out.
+
+LayerNorm (``IS_LAYERNORM``, ``HAS_NORM_BIAS`` with the ``NORM_BIAS`` row: the contract's
+``norm="layernorm"`` and its bias after the weight) is the shared body's variant, as in the push
+and one-shot kernels: the row's mean subtracted after the residual's rounding, the centred row's
+mean square as the variance, both passes over the tile already in registers. The flags default
+off and the launcher passes none of them for RMSNorm without a norm bias, so that kernel compiles
+to the PTX it did before the variant existed. The launch shapes are RMSNorm's (never measured):
+with LayerNorm on, the one-row tiles and H=4096's 2-row tiles compile for sm_90 without spilling;
+H=8192's 2-row tiles spill (as RMSNorm's do, twice as much), and H=4096's 4-row tiles with a norm
+bias (tests/testing/test_ptx.py; the bytes in docs/kernels.md).
+Like the rest of the ``multimem`` path this variant is compile-checked only; its plain-load form
+(``p2p_pull``) runs in the CPU interpreter's multi-process simulation
+(tests/kernels/p2p/test_launch.py).
 
 ``multimem`` is the product kernel on NVLS machines (never launched in this project: compile
 -checked only); ``p2p_pull`` exists for measurement and is reachable only through
@@ -26,7 +39,7 @@ from __future__ import annotations
 from ..shared.common import HAS_TRITON, tl, triton
 
 if HAS_TRITON:
-    from ..shared.rownorm import add_norm, norm_params, shard_rows, store_residual_shard
+    from ..shared.rownorm import add_norm, load_norm_bias, norm_params, shard_rows, store_residual_shard
     from ..shared.sync import block_barrier
     from .ptx import mm_load_reduce, mm_store_bcast
 
@@ -83,6 +96,8 @@ if HAS_TRITON:
         HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_MID: tl.constexpr,
         RESIDUAL_IN_SHARDED: tl.constexpr, RESIDUAL_OUT_SHARDED: tl.constexpr,
         USE_MULTIMEM: tl.constexpr, SPIN_LIMIT: tl.constexpr, FENCE_ASM: tl.constexpr,
+        NORM_BIAS=None,  # [H]: a LayerNorm's bias, added after the weight (HAS_NORM_BIAS only)
+        IS_LAYERNORM: tl.constexpr = False, HAS_NORM_BIAS: tl.constexpr = False,
     ):
         pid = tl.program_id(0)
         step = tl.num_programs(0) * BLOCK_ROWS
@@ -94,6 +109,9 @@ if HAS_TRITON:
         cols = tl.arange(0, BLOCK_H)
         col_ok = cols < HIDDEN
         bias, w = norm_params(BIAS, WEIGHT, cols, col_ok, weight_offset, HAS_BIAS, HAS_WEIGHT)
+        nb = None  # NORM_BIAS: None (a constexpr, no kernel argument) unless HAS_NORM_BIAS
+        if HAS_NORM_BIAS:
+            nb = load_norm_bias(NORM_BIAS, cols, col_ok)
         mc_in = tl.load(PTR_TABLE + 4 * WORLD_SIZE + 0)  # 0 without multicast; unused by p2p
         mc_out = tl.load(PTR_TABLE + 4 * WORLD_SIZE + 1)
         mc_res = tl.load(PTR_TABLE + 4 * WORLD_SIZE + 2)
@@ -117,7 +135,8 @@ if HAS_TRITON:
                                          BLOCK_ROWS, IN_VEC, WORLD_SIZE, USE_MULTIMEM)
             res, normed = add_norm(acc, j, rows, mask, cols, RESIDUAL, stride_res_row, bias, w,
                                    eps, HIDDEN, RES_DTYPE, OUT_DTYPE, MID_DTYPE, HAS_BIAS,
-                                   HAS_RESIDUAL, HAS_WEIGHT, HAS_MID, RESIDUAL_IN_SHARDED)
+                                   HAS_RESIDUAL, HAS_WEIGHT, HAS_MID, RESIDUAL_IN_SHARDED, nb, IS_LAYERNORM,
+                                   HAS_NORM_BIAS)
             if RESIDUAL_OUT_SHARDED:
                 store_residual_shard(RESIDUAL_OUT, j, res, mask, col_ok, cols, rows_per_rank,
                                      stride_res_out_row)

@@ -18,8 +18,8 @@ the fp32 row after the residual's rounding and takes the variance as the mean sq
 centred row: two passes over the row held in registers (the tile, or the kept chunks of
 :func:`rowwise_group`), never E[x^2] - mean^2, which cancels where the mean is large against the
 spread.  ``HAS_NORM_BIAS`` adds the LayerNorm's bias after the weight.  Both are constexpr
-flags that default off, so the RMSNorm bodies compile as they did, and the kernels that do not
-pass them (the pull kernel) are unchanged; the push and one-shot kernels pass them for a LayerNorm only.
+flags that default off, so the RMSNorm bodies compile as they did; the push, pull and one-shot
+kernels pass them for a LayerNorm (or a norm bias) only.
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def norm_constexprs(*, world_size, hidden, block_h, block_rows, in_dtype, out_dt
 
 
 def layernorm_constexprs(norm: str, norm_bias) -> dict:
-    """The LayerNorm keywords of the kernels built on the shared row bodies (the push and one-shot
+    """The LayerNorm keywords of the kernels built on the shared row bodies (the push, pull and one-shot
     kernels): ``IS_LAYERNORM`` for ``norm="layernorm"``, the ``NORM_BIAS`` row and ``HAS_NORM_BIAS``
     where there is one. RMSNorm without a norm bias gets none of them: its launch binds the kernel's
     defaults (flags off, no ``NORM_BIAS`` argument) and compiles to the code it did before the variant
