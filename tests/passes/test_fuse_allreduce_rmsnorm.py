@@ -421,8 +421,9 @@ def _layernorm_sites(rank, world_size, seed, compiler, forms):
         tokens = torch.randint(0, d.vocab, (2, 9))
         out[norm, bias, dtype] = _compile_and_compare(model, [(tokens,)], compiler)
     if compiler == "aot_eager":
-        # A kernel that computes RMSNorm only, forced: the CPU path instead, and explain() says why; one
-        # that computes a LayerNorm (p2p) is not refused for it (on CPU ranks: for the CPU tensors).
+        # Kernels that compute a LayerNorm (ce, p2p), forced: not refused for the norm, only (on CPU
+        # ranks) for the CPU tensors, and explain() says that (every built-in one computes LayerNorm
+        # now; a RMSNorm-only one is refused for it: tests/ops/test_allreduce_rmsnorm.py).
         d = LlamaDims(norm="layernorm", bias=True, layers=1)
         model = TPLlama(d, tp=world_size, rank=rank, group=dist.group.WORLD, seed=seed)
         for kernel in ("ce", "p2p"):

@@ -65,6 +65,17 @@ bias, so that kernel compiles as it did. The launch shapes are RMSNorm's (chosen
 measurements); with LayerNorm on they compile for sm_90 without spilling
 (tests/testing/test_ptx.py).
 
+The fp8 epilogue (``QUANT`` 1: a per-row scale, 2: a static one; the op's ``quant``): the tile
+loops quantize a tile's normed rows in registers (the shared
+:func:`weave_compile.kernels.shared.fp8_rows.quant_tile`, bit-exact to ``quant.quantize_rows``) and
+push the codes and row scales instead of the normed rows: an output region then holds the codes as
+a [N, slot_rows, H] byte array and the scales after it (16-byte aligned), H + 4 bytes a row against
+the normed rows' 2H; phase 3 copies both out. Never in the one-warp-per-row loop (its chunks are
+stored before the row's amax is known), never into the ring (the launcher refuses both). The code
+stores are vectorized as the normed rows' stores are (``_norm_store``): one byte a code would
+otherwise widen the tile's layout, and a row would be reduced in another order than without the
+epilogue. The flags default off: the kernel without the epilogue compiles as it did.
+
 ``PHASES`` (bitmask 1|2|4) and ``SYNC`` are measurement and simulation hooks: the per-CTA
 benchmark leaves phases out (barriers kept, so the pads still pair up), and the one-process CPU
 simulation runs one phase of every rank at a time without barriers (the host orders them).
