@@ -177,6 +177,45 @@ def test_the_launcher_refuses_what_the_epilogue_cannot_take():
     assert launch.push_meta(4096, 64, 2, 2, 2, 2, quant=True).norm_chunk == 0
 
 
+class _ArgsStub:
+    """Stands in for the push kernel: ``stub[grid](*args, **kw)`` records ``(args, kw)``, runs nothing."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.seen.append((args, kw))
+
+
+def test_push_on_returns_the_codes_and_the_scales_it_launched_with(monkeypatch):
+    """``push_on`` with the epilogue: fresh fp8 rows and, per row, a [T, 1] float32 scales tensor that is
+    the kernel's ``QSCALES`` (a static scale: an empty one, and ``QSTATIC`` the rows' scale); the
+    normed rows' byte view is the kernel's ``NORMED``. The kernel is stubbed: nothing runs."""
+    from weave_compile.kernels.p2p import launch
+    from weave_compile.kernels.spec import FusedSpec, Rows
+    from weave_compile.quant import QuantSpec
+    from weave_compile.testing.emulated_ranks import EmulatedRanks
+
+    stub = _ArgsStub()
+    seen = stub.seen
+    monkeypatch.setattr(launch, "push_allreduce_rmsnorm_kernel", stub)
+    H, T, bf, e4 = 64, 6, torch.bfloat16, torch.float8_e4m3fn
+    ws = EmulatedRanks.create(2, H, T, dtype=bf, device="cpu").workspaces[0]
+    for kind in ("row", "static"):
+        quant = QuantSpec(kind, e4, 448.0, 1e-12 if kind == "row" else 0.0, kind == "row")
+        qs = torch.full((1,), 0.5) if kind == "static" else None
+        spec = FusedSpec(residual_dtype=bf, out_dtype=bf, comm_ctas=2, quant=quant)
+        codes, res, scales = launch.push_on(ws, Rows(torch.randn(T, H).to(bf), quant_scale=qs), spec)
+        args, kw = seen.pop()
+        assert codes.dtype == e4 and codes.shape == (T, H) and res.shape == (T, H), (codes.dtype, codes.shape)
+        assert args[5].dtype == torch.uint8 and args[5].data_ptr() == codes.data_ptr()
+        if kind == "row":
+            assert scales.shape == (T, 1) and kw["QSCALES"] is scales and kw["QUANT"] == 1
+        else:
+            assert scales.numel() == 0 and kw["QSCALES"] is None and kw["QUANT"] == 2
+            assert kw["QSTATIC"].data_ptr() == qs.data_ptr()
+
+
 def _launch(monkeypatch, H: int, T: int, world: int, quant, dtype=torch.bfloat16, norm="rmsnorm"):
     """The push kernel's ``(args, kwargs)`` as the launcher passes them for one rank's launch with the
     default shape (the kernel stubbed: nothing runs), for compiling it for sm_90."""
@@ -184,13 +223,8 @@ def _launch(monkeypatch, H: int, T: int, world: int, quant, dtype=torch.bfloat16
     from weave_compile.kernels.spec import FusedSpec, Rows
     from weave_compile.testing.emulated_ranks import EmulatedRanks
 
-    seen = []
-
-    class _Stub:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: seen.append((args, kw))
-
-    monkeypatch.setattr(launch, "push_allreduce_rmsnorm_kernel", _Stub())
+    stub = _ArgsStub()
+    monkeypatch.setattr(launch, "push_allreduce_rmsnorm_kernel", stub)
     ws = EmulatedRanks.create(world, H, T, dtype=dtype, device="cpu").workspaces[0]
     S = -(-T // world)
     spec = FusedSpec(residual_dtype=dtype, out_dtype=dtype, comm_ctas=16, quant=quant, norm=norm,
@@ -205,7 +239,7 @@ def _launch(monkeypatch, H: int, T: int, world: int, quant, dtype=torch.bfloat16
     meta = launch.push_meta(H, S, spec.comm_ctas, world, dtype.itemsize, dtype.itemsize, quant=True)
     launch.launch_push(ws, rows, spec, normed, torch.empty(S, H, dtype=dtype), scales=scales, meta=meta)
     monkeypatch.undo()
-    return seen.pop()
+    return stub.seen.pop()
 
 
 @pytest.mark.parametrize("H,T,world,norm", [(4096, 16, 2, "rmsnorm"), (4096, 8192, 2, "layernorm"),

@@ -320,8 +320,7 @@ def push_on(ws: SymmWorkspace, rows: Rows, spec: FusedSpec, **launch_kw) -> tupl
     if quant is not None:
         scales = torch.empty((T, 1) if quant.kind == "row" else (0,), dtype=torch.float32, device=dev)
     with torch.cuda.device(dev) if x.is_cuda else contextlib.nullcontext():
-        launch_push(ws, rows, spec, normed, residual_out, scales=scales if quant is not None and quant.kind == "row"
-                    else None, **launch_kw)
+        launch_push(ws, rows, spec, normed, residual_out, scales=scales, **launch_kw)
     return (normed, residual_out) if quant is None else (normed, residual_out, scales)
 
 
