@@ -286,11 +286,13 @@ def test_ce_batch_invariant_rows_on_the_gpu(N, H, seed):
 @pytest.mark.parametrize("T", [3, 257, 4099])
 @pytest.mark.parametrize("H", [4096, 8192])
 @pytest.mark.parametrize("form", ["vllm-per-token", "torchao-per-row-bf16", "static-recip-noclamp"])
-def test_ce_emulated_fp8_epilogue(N, T, H, form, seed):
-    """ce's fp8 epilogue on the GPU (the kernel's hardware fp8 conversion): every rank's gathered
-    codes and row scales equal, bit for bit, the normed rows of the same call without the epilogue
-    quantized by ``quant.quantize_rows``; the kernels the site's reservation loads are all a call
-    launches (no load at run time)."""
+def test_ce_emulated_fp8_epilogue(N, T, H, form, seed, monkeypatch):
+    """ce's fp8 epilogue on the GPU: every rank's gathered codes and row scales equal, bit for bit,
+    the normed rows of the same call without the epilogue, on the same add+norm loop, quantized by
+    ``quant.quantize_rows``; the kernels the site's reservation loads are all a call launches (no
+    load at run time). (Without the epilogue 2 ranks at H=4096 take the one-warp-per-row loop from 8
+    rows a CTA on, which reduces a row in chunk order: the reference call is kept to the tile loops
+    the epilogue runs in.)"""
     from tests.kernels.shared._addnorm_cases import quant_forms
     from weave_compile.quant import quantize_rows
 
@@ -310,9 +312,12 @@ def test_ce_emulated_fp8_epilogue(N, T, H, form, seed):
     outs = ce.emulated_run(wss_q, rows, spec, _streams(N))
     _sync()
     assert set(cache) == before, f"{len(set(cache) - before)} kernels compiled or loaded at run time"
+    tile_loops = addnorm.launch_config
+    monkeypatch.setattr(addnorm, "launch_config", lambda *a, **k: tile_loops(*a, **{**k, "quant": True}))
     plain = emulated_call(ce.emulated_workspaces(N, cap, H, (BF16,) * 3, device="cuda"), partials, [res_full] * N,
                           bias, weight, None, eps=1e-5)
     _sync()
+    monkeypatch.undo()
     want_q, want_s = quantize_rows(plain[0][0], quant, qs)
     for r, (codes, res_out, scales) in enumerate(outs):
         assert torch.equal(codes.view(torch.uint8), want_q.view(torch.uint8)), r
