@@ -62,3 +62,22 @@ def batch_with_row(parts, res_row, T: int, pos: int, seed: int, device="cpu"):
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def check_placements(world: int, seed: int, same_as_alone, weight: torch.Tensor, marker: str) -> int:
+    """Every :func:`placements` row of ``world`` ranks, the residual full and sharded, through a kernel's
+    ``same_as_alone(world, seed, T, pos, ctas, sharded, batch_seed, weight, invariant)`` with the option
+    on (``(bitwise the row alone, what else is wrong)``): a line each, then ``marker`` if every one held;
+    the exit code (0: all held)."""
+    torch.set_num_threads(1)
+    fails = 0
+    for i, (T, pos, ctas) in enumerate(placements(world)):
+        for sharded in (False, True):
+            same, errs = same_as_alone(world, seed + i, T, pos, ctas, sharded, seed + 100 + i, weight, True)
+            if not same:
+                errs.append("differs from the row alone")
+            print(f"[world {world}] T={T:2d} row {pos:2d} (owner {owner(T, pos, world)}) ctas={ctas} "
+                  f"sharded={sharded!s:5s} {'ok' if not errs else 'FAIL ' + '; '.join(errs)}", flush=True)
+            fails += bool(errs)
+    print(marker if fails == 0 else f"{fails} runs failed")
+    return 1 if fails else 0

@@ -99,19 +99,8 @@ def same_as_alone(world, row_seed, T, pos, ctas, sharded, others, weight, invari
 
 
 def _main(world: int, seed: int) -> int:
-    torch.set_num_threads(1)
-    fails = 0
     weight = (1 + 0.1 * torch.randn(H, generator=torch.Generator().manual_seed(seed))).to(BF16)
-    for i, (T, pos, ctas) in enumerate(bic.placements(world)):
-        for sharded in (False, True):
-            same, errs = same_as_alone(world, seed + i, T, pos, ctas, sharded, seed + 100 + i, weight, True)
-            if not same:
-                errs.append("differs from the row alone")
-            print(f"[world {world}] T={T:2d} row {pos:2d} (owner {bic.owner(T, pos, world)}) ctas={ctas} "
-                  f"sharded={sharded!s:5s} {'ok' if not errs else 'FAIL ' + '; '.join(errs)}", flush=True)
-            fails += bool(errs)
-    print("ONESHOT-INVARIANT OK" if fails == 0 else f"{fails} runs failed")
-    return 1 if fails else 0
+    return bic.check_placements(world, seed, same_as_alone, weight, "ONESHOT-INVARIANT OK")
 
 
 @pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
