@@ -121,8 +121,10 @@ def _variant_recorder(monkeypatch) -> dict:
     binder = create_function_from_signature(kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32)))
     seen: dict = {"preload": {}, "launch": set()}
 
-    def fake_launch(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, num_ctas, cfg, slots, preload=False):
-        args, kw = addnorm.kernel_args(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, cfg, slots)
+    def fake_launch(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, num_ctas, cfg, slots, preload=False,
+                    **variant):
+        args, kw = addnorm.kernel_args(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, cfg, slots,
+                                       **variant)
         _, specialization, options = binder(*args, **kw)
         key = str(specialization) + str(options)
         if preload:
@@ -182,6 +184,46 @@ def test_no_token_count_makes_a_variant_of_its_own(monkeypatch, N, H, dtypes, re
         seen["preload"].clear()
         program.preload_site(ws, residual_dtype=res_in, terms=[terms], scale_dtype=FP32 if scale else None)
         assert seen["launch"].isdisjoint(seen["preload"])
+
+
+@pytest.mark.skipif(not addnorm.HAS_TRITON, reason="triton not installed")
+@pytest.mark.parametrize("N", [2, 3])
+@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
+@pytest.mark.parametrize("form", [None, "vllm-per-token", "torchao-per-row-bf16", "static-div", "static-recip-noclamp"])
+def test_no_token_count_makes_an_epilogue_or_layernorm_variant_of_its_own(monkeypatch, N, norm, form):
+    """As above for a site with an fp8 epilogue (``quant``) or a LayerNorm: what ``preload_site``
+    loads covers every T, CTA count and residual layout's launch. (A static site's preload once
+    handed the kernel the row scales' pointer, which a call leaves out: on the GPU every static
+    call then compiled a kernel while its peers waited.)"""
+    from tests.kernels.shared._addnorm_cases import quant_forms
+
+    seen = _variant_recorder(monkeypatch)
+    quant = None if form is None else quant_forms()[form]
+    H = 4096
+    ws = ce.emulated_workspaces(N, 2304, H, (BF16,) * 3)[N - 1]
+    nb = BF16 if norm == "layernorm" else None
+    n = program.preload_site(ws, residual_dtype=BF16, terms=[(BF16, BF16, None, nb)], scale_dtype=None, norm=norm,
+                             quant=quant)
+    assert n == len(seen["preload"]) >= 1
+    static = None if quant is None or quant.kind != "static" else torch.tensor(0.01)
+    for T in (1, 3, 17, 257, 4099):
+        S = -(-T // N)
+        x = torch.randn(T, H).to(BF16)
+        for sharded in (False, True):
+            rows = Rows(x, torch.randn(S if sharded else T, H).to(BF16), torch.randn(H).to(BF16),
+                        torch.randn(H).to(BF16), norm_bias=None if nb is None else torch.randn(H).to(nb),
+                        quant_scale=static)
+            for ctas in (1, 8, 32):
+                spec = FusedSpec(residual_dtype=BF16, out_dtype=BF16, comm_ctas=ctas, residual_in_sharded=sharded,
+                                 residual_out_sharded=sharded, norm=norm, quant=quant)
+                scales = ce.allocate_scales(spec, T, "cpu") if quant is not None else None
+                _, _, prog = ce.ce_call(ws, rows, spec, run=False, scales=scales)
+                for op in prog:
+                    if isinstance(op, ce.Norm):
+                        addnorm.add_rmsnorm_rows(**op.kwargs)
+    assert seen["launch"], "no launch recorded: the test checks nothing"
+    missing = seen["launch"] - set(seen["preload"])
+    assert not missing, f"{len(missing)} launched variants were not preloaded, e.g. {sorted(missing)[0]}"
 
 
 def test_unknown_terms_load_every_combination(monkeypatch):

@@ -273,7 +273,9 @@ def preload_site(ws: CeWorkspace, *, residual_dtype: Optional[torch.dtype], term
             variant["rank_order"] = ws.rank
         if quant is not None:
             codes, row_scales = quant_views(me)
-            variant.update(quant=quant, out_dtype=out_dt, row_scales=row_scales,
+            # as a call passes them (:func:`ce_call`): row scales only per row, the scale only static;
+            # a pointer where a call has none is another specialization, a kernel loaded at run time
+            variant.update(quant=quant, out_dtype=out_dt, row_scales=row_scales if quant.kind == "row" else None,
                            quant_scale=torch.ones(1, device=dev) if quant.kind == "static" else None)
         for n, eps in itertools.product((1, rows), epss):
             # 1 row per CTA: the tile loop; `rows` per CTA: one warp per row where it fits
