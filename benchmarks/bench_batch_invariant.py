@@ -85,10 +85,11 @@ def _ce_addnorm(x, recv, residual, weight, invariant: bool):
     return normed, res
 
 
-def row_check(design: str, T: int, H: int, world: int, weight, group_name: str, dev) -> bool:
-    """Rows of this rank's slice of a T-row call against the same rows alone, bit for bit."""
+def row_check(design: str, T: int, H: int, world: int, weight, group_name: str, dev, seed: int = 1) -> bool:
+    """Rows of this rank's slice of a T-row call against the same rows alone, bit for bit (inputs
+    drawn from ``seed``)."""
     if design == "ce":
-        x, recv, residual = _ce_inputs(T, H, world, 1, dev)
+        x, recv, residual = _ce_inputs(T, H, world, seed, dev)
         normed, res = _ce_addnorm(x, recv, residual, weight, True)
         S = x.shape[0]
         for p in sorted({0, S - 1, random.Random(T).randrange(S)}):
@@ -96,7 +97,7 @@ def row_check(design: str, T: int, H: int, world: int, weight, group_name: str, 
             if not (torch.equal(normed[p], n1[0]) and torch.equal(res[p], r1[0])):
                 return False
         return True
-    x, residual = _inputs(T, H, world, 1, dev)
+    x, residual = _inputs(T, H, world, seed, dev)
     normed, res = _op(design, x, residual, weight, group_name, True)
     S = residual.shape[0]
     rows = sorted({0, S - 1, random.Random(T).randrange(S)})
