@@ -934,8 +934,10 @@ def plot(rows: list[dict], path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
     meta = rows[0]
-    commits = ", ".join(sorted({r["git_commit"] for r in model}))  # --keep merges runs of several commits
-    fig.suptitle(f"floor: {meta['gpu']}, {meta['comm']} group of {meta['world_size']}, commits {commits}, "
+    # --keep merges runs of several commits, and of several GPUs: name each
+    commits = ", ".join(sorted({r["git_commit"] for r in model}))
+    gpus = ", ".join(sorted({r["gpu"] for r in model}))
+    fig.suptitle(f"floor: {gpus}, {meta['comm']} group of {meta['world_size']}, commits {commits}, "
                  f"torch {meta['torch']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -14,7 +14,8 @@ Whether a site gets it or stays as written is :mod:`weave_compile.kernels.auto`'
 With ``batch_invariant`` the reduce-scatter is an all-to-all (the same bytes) and the partial sums
 are added in rank order in fp32, then rounded once to x's dtype (one more elementwise pass over
 the rows); the rest of a row is computed alike for every row (on CPU ranks checked bitwise:
-``tests/kernels/test_batch_invariant.py``; the add+norm kernel's launch shapes on a GPU: not yet).
+``tests/kernels/test_batch_invariant.py``; on a GPU, the add+norm kernel at the launch shape each
+T selects, on fake groups of 3 and 4 ranks: ``tests/benchmarks/test_bench_batch_invariant_gpu.py``).
 
 Functional collectives carry it, so it also runs on gloo (CPU tests; the add+norm then uses its
 torch path) and is capturable in a CUDA graph where NCCL is.
