@@ -21,34 +21,40 @@ import fake_group  # noqa: E402
 import weave_compile.ops  # noqa: F401,E402  (the op)
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-for world, dev, group_name in fake_group.each_world([8]):
-    for H, T in ((4096, 1024), (8192, 1024), (4096, 4096)):
-        run, _ = bench_fp8.runners(T, H, world, group_name, dev)
-        for name, fn in run.items():
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
-                for _ in range(10):
+
+def main() -> None:
+    for world, dev, group_name in fake_group.each_world([8]):
+        for H, T in ((4096, 1024), (8192, 1024), (4096, 4096)):
+            run, _ = bench_fp8.runners(T, H, world, group_name, dev)
+            for name, fn in run.items():
+                for _ in range(3):
                     fn()
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            g.replay()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as p:
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
+                    for _ in range(10):
+                        fn()
+                torch.cuda.current_stream().wait_stream(side)
+                torch.cuda.synchronize()
                 g.replay()
                 torch.cuda.synchronize()
-            ev = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-            ev.sort(key=lambda e: e.time_range.start)
-            span = (ev[-1].time_range.end - ev[0].time_range.start) / 10 if ev else 0
-            busy = sum(e.time_range.end - e.time_range.start for e in ev) / 10
-            print(f"H={H} T={T} {name}: {len(ev)/10:.1f} kernels/call, span {span:.2f} us/call, "
-                  f"busy {busy:.2f} us/call")
-            per = {}
-            for e in ev:
-                per.setdefault(e.name[:90], []).append(e.time_range.end - e.time_range.start)
-            for k, v in sorted(per.items(), key=lambda kv: -sum(kv[1])):
-                print(f"    {len(v)/10:4.1f}x {sum(v)/len(v):7.2f} us  {k}")
+                with profile(activities=[ProfilerActivity.CUDA]) as p:
+                    g.replay()
+                    torch.cuda.synchronize()
+                ev = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+                ev.sort(key=lambda e: e.time_range.start)
+                span = (ev[-1].time_range.end - ev[0].time_range.start) / 10 if ev else 0
+                busy = sum(e.time_range.end - e.time_range.start for e in ev) / 10
+                print(f"H={H} T={T} {name}: {len(ev)/10:.1f} kernels/call, span {span:.2f} us/call, "
+                      f"busy {busy:.2f} us/call")
+                per = {}
+                for e in ev:
+                    per.setdefault(e.name[:90], []).append(e.time_range.end - e.time_range.start)
+                for k, v in sorted(per.items(), key=lambda kv: -sum(kv[1])):
+                    print(f"    {len(v)/10:4.1f}x {sum(v)/len(v):7.2f} us  {k}")
+
+
+if __name__ == "__main__":
+    main()
