@@ -264,11 +264,27 @@ def test_batch_invariant_runs_on_the_implementations_that_claim_it_only():
     option on multimem, naming them."""
     assert {e.name for e in kernels.implementations() if e.batch_invariant} == \
         {"reference", "nccl", "ce", "p2p", "oneshot"}
-    with pytest.raises(ValueError, match=r"kernel 'multimem' does not add the partial sums in a fixed order.*'p2p'"):
+    with pytest.raises(ValueError, match=r"kernel 'multimem': batch_invariant: multimem does not add the partial "
+                                         r"sums in a fixed order.*batch-invariant on cpu: .*'reference'.*'p2p'"):
         allreduce_add_rmsnorm(torch.randn(2, 8), None, None, None, eps=1e-6, group_name="0",
                               residual_dtype=torch.float32, out_dtype=torch.float32, mid_dtype=None,
                               weight_offset=0.0, residual_in_sharded=False, residual_out_sharded=False,
                               kernel="multimem", comm_ctas=8, batch_invariant=True)
+
+
+def test_reference_claims_batch_invariance_on_cpu_only():
+    """``reference``'s norm on a GPU is torch's CUDA reductions, whose layout per row follows the row
+    count: its claim holds on CPU ranks, where it is tested; on CUDA the option names the others."""
+    from weave_compile.kernels.registry import invariant_on
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    ref = kernels.registry.get("reference")
+    assert invariant_on(ref, cpu) is None
+    why = invariant_on(ref, cuda)
+    assert why is not None and "cpu only" in why and "nccl" in why
+    assert [e.name for e in kernels.implementations() if invariant_on(e, cuda) is None] == \
+        [e.name for e in kernels.implementations() if e.batch_invariant and e.name != "reference"]
+    assert "does not add the partial sums" in invariant_on(kernels.registry.get("multimem"), cpu)
 
 
 #: The symmetric-memory kernels that take a LayerNorm (``takes_layernorm``): on CPU tensors they run the

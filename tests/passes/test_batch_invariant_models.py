@@ -110,7 +110,7 @@ def test_the_measured_choice_takes_invariant_candidates_only(tmp_path, world):
             if world == 3:
                 assert fused and kernel == "reference" and "batch-invariant" in why, run["text"]
             elif not fused:
-                assert "batch-invariant as written: 2 ranks" in why, run["text"]
+                assert "batch-invariant as written: 2 CPU ranks" in why, run["text"]
 
 
 def _no_invariant_design(rank, world):

@@ -92,12 +92,14 @@ def choose(requested: str, site: Site) -> tuple[str, str]:
     return invariant(name, why, site) if site.batch_invariant else (name, why)
 
 
-def written_invariant(world_size: int) -> bool:
-    """Whether a site as written is batch-invariant: at two ranks (``a + b`` is ``b + a`` bitwise,
-    whatever order the all_reduce adds them in; Inductor's add and norm compute each row alike at
-    every token count), not at more (NCCL's and gloo's reduction order change with the message
-    size and the rank)."""
-    return world_size <= 2
+def written_invariant(world_size: int, device: torch.device) -> bool:
+    """Whether a site as written is batch-invariant: at two ranks on CPU ranks (``a + b`` is
+    ``b + a`` bitwise, whatever order the all_reduce adds them in; Inductor's C++ add and norm
+    compute each row alike at every token count: tested), not at more (NCCL's and gloo's reduction
+    order change with the message size and the rank), and not on GPUs: there Inductor picks a
+    reduction kernel's rows per program, warps and split by the row count (pytorch/pytorch#197311),
+    so a row's norm may round differently in another batch."""
+    return world_size <= 2 and torch.device(device).type == "cpu"
 
 
 def invariant(name: str, why: str, site: Site) -> tuple[str, str]:
@@ -108,17 +110,21 @@ def invariant(name: str, why: str, site: Site) -> tuple[str, str]:
     from .measured import dispatch
 
     if name != AS_WRITTEN:
-        lacking = [n for n in dispatch.designs(name) if not registry.get(n).batch_invariant]
+        lacking = [r for r in (registry.invariant_on(registry.get(n), site.device) for n in dispatch.designs(name))
+                   if r is not None]
         if not lacking:
             return name, f"{why}; batch-invariant: partial sums added in rank order in fp32"
-        why = f"{why}; {', '.join(lacking)} does not add the partial sums in a fixed order"
-    if written_invariant(site.world_size):
-        return AS_WRITTEN, f"{why}; batch-invariant as written: 2 ranks (the sum of two partials has one order)"
+        why = f"{why}; {'; '.join(lacking)}"
+    if written_invariant(site.world_size, site.device):
+        return AS_WRITTEN, (f"{why}; batch-invariant as written: 2 CPU ranks (the sum of two partials has one "
+                            "order)")
+    written = (f"an all_reduce of {site.world_size} ranks adds the partial sums in an order that changes with "
+               "the message size" if site.world_size > 2 else
+               f"on {site.device.type} Inductor picks the norm's reduction kernel shape by the row count")
     raise BatchInvariantError(
         f"batch_invariant=True: the site (process group {site.group_name!r}, {site.world_size} ranks, "
-        f"H={site.hidden}, {site.dtype}) would stay as written ({why}), and an all_reduce of "
-        f"{site.world_size} ranks adds the partial sums in an order that changes with the message size; no "
-        "implementation that adds them in a fixed order can run here")
+        f"H={site.hidden}, {site.dtype}, {site.device.type}) would stay as written ({why}), and {written}; no "
+        "batch-invariant implementation can run here")
 
 
 def _choose(requested: str, site: Site) -> tuple[str, str]:
@@ -150,10 +156,9 @@ def takes(impl: Implementation, site: Site) -> Optional[str]:
     if site.eps_on_device and not impl.takes_eps_tensor:
         takers = [e.name for e in registry.implementations() if e.takes_eps_tensor]
         return f"eps is a device tensor: only {', '.join(takers)} read it there (the others read it on the host)"
-    if site.batch_invariant and not impl.batch_invariant:
-        takers = [e.name for e in registry.implementations() if e.batch_invariant]
-        return (f"batch_invariant: only {', '.join(takers)} add the partial sums in a fixed order "
-                "(this one's order may depend on the token count or the rank that owns a row)")
+    if site.batch_invariant and registry.invariant_on(impl, site.device):
+        takers = [e.name for e in registry.implementations() if registry.invariant_on(e, site.device) is None]
+        return f"{registry.invariant_on(impl, site.device)}; batch-invariant here: {', '.join(takers)}"
     if site.norm == "layernorm" and not impl.takes_layernorm:
         takers = [e.name for e in registry.implementations() if e.takes_layernorm]
         return f"LayerNorm site: only {', '.join(takers)} compute a LayerNorm (the others RMSNorm only)"

@@ -5,7 +5,11 @@ all-gather, with functional collectives (gloo on CPU, NCCL on GPU). It runs wher
 group does, takes every argument of the op (a scale, an eps tensor, a LayerNorm), and is what
 every other implementation falls back to. With ``batch_invariant`` the reduce-scatter is an
 all-to-all and the partial sums are added in rank order in fp32
-(:func:`weave_compile.rows.ordered_sum_rows`).
+(:func:`weave_compile.rows.ordered_sum_rows`); the claim holds on CPU ranks (tested), not on GPUs:
+there the norm's mean (and the fp8 quant's amax) are torch's CUDA reductions, whose thread layout
+per row follows the number of rows (``ATen/native/cuda/Reduce.cuh``: the threads a row gets shrink
+as rows are added), so a row may round differently in another batch; ``nccl`` is the GPU's
+invariant path (:data:`INVARIANT_WHY`).
 
 :func:`allreduce_add_rmsnorm_ref` is the one float64 oracle of the op's contract (see
 ``ops/allreduce_rmsnorm.py``), computed in one process from every rank's partial
@@ -67,10 +71,14 @@ def reference_impl(rows: Rows, spec: FusedSpec) -> tuple[torch.Tensor, ...]:
             all_gather_rows(res_shard, spec.group_name, world_size)[:total])
 
 
+#: Why ``reference`` is not batch-invariant on GPUs (explain() and the errors say it).
+INVARIANT_WHY = ("on a GPU its norm is torch's CUDA reductions, whose layout per row follows the row count; "
+                 "nccl reduces a row alike at every token count")
+
 IMPLEMENTATION = Implementation(
     "reference", "reduce-scatter, add + RMSNorm or LayerNorm on this rank's rows, all-gather (functional collectives)",
     lambda site: None, reference_impl, takes_scale=True, takes_eps_tensor=True, takes_layernorm=True, fallback=True,
-    batch_invariant=True, takes_quant=True)
+    batch_invariant=True, batch_invariant_on=("cpu",), batch_invariant_why=INVARIANT_WHY, takes_quant=True)
 
 
 # ----------------------------------------------------------------------------- float64 oracle

@@ -123,6 +123,10 @@ class Implementation:
     #: (0, 1, ..., N-1) in fp32 and computes the rest of the row as for any other row: a row's
     #: outputs are then the same whatever T, the other rows, the launch and the owning rank.
     batch_invariant: bool = False
+    #: The device types on which ``batch_invariant`` holds (a claim checked there; elsewhere the
+    #: option refuses it) and, where it does not hold everywhere, why not.
+    batch_invariant_on: tuple[str, ...] = ("cpu", "cuda")
+    batch_invariant_why: str = ""
     #: Computes the fp8 epilogue (``FusedSpec.quant``: the normed rows quantized on this rank's rows,
     #: gathered as fp8 codes and row scales; ``weave_compile.quant``); the others return bf16 rows.
     takes_quant: bool = False
@@ -193,6 +197,17 @@ def replace(impl: Implementation) -> Implementation:
     old = get(impl.name)
     _IMPLEMENTATIONS[impl.name] = impl
     return old
+
+
+def invariant_on(impl: Implementation, device: torch.device) -> Optional[str]:
+    """Why ``impl`` cannot honour ``batch_invariant`` on ``device`` (None if it can)."""
+    if not impl.batch_invariant:
+        return (f"batch_invariant: {impl.name} does not add the partial sums in a fixed order (its order may depend "
+                "on the token count or the rank that owns a row)")
+    if torch.device(device).type not in impl.batch_invariant_on:
+        return (f"batch_invariant on {torch.device(device).type}: {impl.name} is batch-invariant on "
+                f"{', '.join(impl.batch_invariant_on)} only ({impl.batch_invariant_why})")
+    return None
 
 
 def get(name: str) -> Implementation:

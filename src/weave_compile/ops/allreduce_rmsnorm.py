@@ -143,10 +143,11 @@ def _call(a: dict[str, Any], beside_compute: bool) -> tuple[torch.Tensor, torch.
     """The op on its arguments by name; ``beside_compute``: it runs beside other work (the start op)."""
     # A name, or a table by token count (the measured choice): ValueError naming the valid ones.
     impl = auto.implementation_for(a["kernel"], num_rows(a["x"]))
-    if a["batch_invariant"] and not impl.batch_invariant:
-        raise ValueError(f"weave::allreduce_add_rmsnorm: kernel {impl.name!r} does not add the partial sums in a "
-                         f"fixed order (batch_invariant); those that do: "
-                         f"{[e.name for e in kernels.implementations() if e.batch_invariant]}")
+    not_invariant = a["batch_invariant"] and kernels.registry.invariant_on(impl, a["x"].device)
+    if not_invariant:
+        takers = [e.name for e in kernels.implementations() if not kernels.registry.invariant_on(e, a["x"].device)]
+        raise ValueError(f"weave::allreduce_add_rmsnorm: kernel {impl.name!r}: {not_invariant}; batch-invariant on "
+                         f"{a['x'].device.type}: {takers}")
     if a["scale"] is not None and not impl.takes_scale:
         raise ValueError(f"weave::allreduce_add_rmsnorm: kernel {impl.name!r} is one of those that take no scale "
                          f"({[e.name for e in kernels.implementations() if not e.takes_scale]})")

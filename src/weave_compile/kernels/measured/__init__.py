@@ -126,8 +126,9 @@ def candidates_for(req: Request) -> list[str]:
             continue
         if all(takes(impl, site) is None for site in req.where.values()):
             out.append(impl.name)
-    # batch_invariant: the site as written only where it is invariant too (two ranks)
-    written = req.written_competes and (not req.options.get("batch_invariant") or written_invariant(len(req.ranks)))
+    # batch_invariant: the site as written only where it is invariant too (two CPU ranks)
+    written = req.written_competes and (not req.options.get("batch_invariant")
+                                        or written_invariant(len(req.ranks), device))
     return out + ([AS_WRITTEN] if written else [])
 
 
