@@ -64,8 +64,9 @@ class Options(SplitOptions):
     #: Every fused site's output rows (normed and residual) bitwise the same whatever else is in
     #: the batch: the token count, the other rows, the split, the launch shape and the rank that
     #: owns a row. Only implementations that add the partial sums in one fixed order (rank 0, 1,
-    #: ..., N-1, in fp32) run, one per site for every token count; a site none of them can take
-    #: stays as written only where that is invariant too (two CPU ranks), else compiling raises
+    #: ..., N-1, in fp32) run, one per site for every token count; a site the rules would leave
+    #: as written stays so only where that is invariant too (two CPU ranks; on a GPU it gets
+    #: ``nccl``), else compiling raises
     #: ``BatchInvariantError`` naming it (docs/kernels.md, "Batch invariance").
     batch_invariant: bool = False
     #: Let the ``p2p`` kernel leave its normed output in the symmetric output ring where the

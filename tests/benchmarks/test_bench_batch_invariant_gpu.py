@@ -1,9 +1,11 @@
 """benchmarks/bench_batch_invariant.py's row check on ONE GPU, as a test, at 3 and 4 ranks: ``nccl``'s
-invariant path whole (the all-to-all on a fake group of N ranks, its rows written; the rank-order
-sum; the add+norm kernel at the CTA count and launch shape each T selects) and ``ce``'s add+norm
-kernel as its program launches it (the rank-order variant, N-1 received slots): rows of this
-rank's slice of a T-row call equal, bit for bit, the same rows run alone. (``p2p`` and ``oneshot``
-on emulated ranks: their own GPU tests.)"""
+invariant path whole on a fake group of N ranks (the all-to-all, the rank-order sum, the add+norm
+kernel at the CTA count and launch shape each T selects; the fake all-to-all hands every rank N
+copies of its own rows, so what this checks is the launch shapes, the rank order being tested with
+distinct partials on CPU ranks) and ``ce``'s add+norm kernel as its program launches it (the
+rank-order variant over N-1 distinct received slots): rows of this rank's slice of a T-row call
+equal, bit for bit, the same rows run alone. (``p2p`` and ``oneshot`` on emulated ranks: their own
+GPU tests.)"""
 
 from __future__ import annotations
 

@@ -599,20 +599,27 @@ def test_a_layernorm_site_on_a_gpu_gets_its_kernels_and_the_others_the_floor_rul
 def test_batch_invariance_on_a_gpu_is_claimed_where_tested_only(symm):
     """On a GPU the site as written is not batch-invariant even at two ranks (Inductor picks the norm's
     reduction kernel shape by the row count) and neither is ``reference`` (torch's CUDA reductions):
-    the option keeps such a site on an invariant design, or raises naming why; on CPU ranks both
-    hold, as tested there."""
+    with the option such a site gets the GPU fallback ``nccl`` (invariant, tested on a GPU), with the
+    reason, or raises naming why where ``nccl`` cannot run; on CPU ranks both hold, as tested there."""
+    from weave_compile.kernels.shared import addnorm
+
     cpu = torch.device("cpu")
     assert auto.written_invariant(2, cpu) and not auto.written_invariant(3, cpu)
     assert not auto.written_invariant(2, CUDA) and not auto.written_invariant(1, CUDA)
     s = site(num_tokens=64, batch_invariant=True)
-    # the measured choice left the site as written: at 2 GPU ranks that is not invariant
-    with pytest.raises(auto.BatchInvariantError, match="cuda.*Inductor picks the norm's reduction kernel shape"):
-        auto.invariant(AS_WRITTEN, "measured slower", s)
+    # auto: the shipped floor leaves the site as written, which on a GPU is not invariant: nccl
+    name, why = auto.choose("auto", s)
+    assert name == "nccl" and "not batch-invariant on a GPU" in why and "rank order" in why, why
+    assert auto.choose("auto", dataclasses.replace(s, batch_invariant=False))[0] == AS_WRITTEN
     assert auto.invariant(AS_WRITTEN, "measured slower", dataclasses.replace(s, device=cpu))[0] == AS_WRITTEN
-    # reference forced on a GPU with the option: refused with its reason, the GPU's takers named
+    # reference forced on a GPU with the option: not invariant there (its reason), nccl instead
     why = auto.takes(registry.get("reference"), s)
     assert why is not None and "cpu only" in why and "nccl" in why.split("batch-invariant here:")[1]
-    with pytest.raises(auto.BatchInvariantError, match="reference is batch-invariant on cpu only"):
-        auto.choose("reference", s)
+    name, why = auto.choose("reference", s)
+    assert name == "nccl" and "reference is batch-invariant on cpu only" in why, why
     assert auto.takes(registry.get("nccl"), s) is None
     assert auto.invariant("nccl", "requested", s)[0] == "nccl"
+    # where nccl cannot run either, the site cannot be kept invariant: an error naming why
+    big = dataclasses.replace(s, hidden=2 * addnorm.MAX_HIDDEN)
+    with pytest.raises(auto.BatchInvariantError, match="cuda.*Inductor picks the norm's reduction kernel shape"):
+        auto.invariant(AS_WRITTEN, "measured slower", big)

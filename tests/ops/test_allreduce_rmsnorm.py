@@ -285,6 +285,16 @@ def test_reference_claims_batch_invariance_on_cpu_only():
     assert [e.name for e in kernels.implementations() if invariant_on(e, cuda) is None] == \
         [e.name for e in kernels.implementations() if e.batch_invariant and e.name != "reference"]
     assert "does not add the partial sums" in invariant_on(kernels.registry.get("multimem"), cpu)
+    # the op itself, on (fake) CUDA tensors: refused before anything runs, naming the GPU's takers
+    import weave_compile.ops.allreduce_rmsnorm as mod
+
+    with FakeTensorMode():
+        x = torch.empty(4, 8, device="cuda")
+        with pytest.raises(ValueError, match=r"kernel 'reference': batch_invariant on cuda: reference is "
+                                             r"batch-invariant on cpu only.*batch-invariant on cuda: \[.*'nccl'"):
+            mod._fused(x, None, None, None, eps=1e-6, group_name="0", residual_dtype=torch.float32,
+                       out_dtype=torch.float32, mid_dtype=None, weight_offset=0.0, residual_in_sharded=False,
+                       residual_out_sharded=False, kernel="reference", comm_ctas=8, batch_invariant=True)
 
 
 #: The symmetric-memory kernels that take a LayerNorm (``takes_layernorm``): on CPU tensors they run the

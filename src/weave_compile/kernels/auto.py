@@ -103,10 +103,11 @@ def written_invariant(world_size: int, device: torch.device) -> bool:
 
 
 def invariant(name: str, why: str, site: Site) -> tuple[str, str]:
-    """``(name, why)`` checked for ``batch_invariant``: an implementation that claims it, or the
-    site as written where that is invariant (:func:`written_invariant`); else
-    :class:`BatchInvariantError` naming the site's group and why. A fallback that does not claim
-    it (none of the registered ones) counts as no implementation."""
+    """``(name, why)`` checked for ``batch_invariant``: an implementation that claims it on the
+    site's device, or the site as written where that is invariant (:func:`written_invariant`), or on
+    a GPU the GPU fallback where it runs (``nccl``: what a site the floor leaves as written, or a
+    forced design that is not invariant there, gets); else :class:`BatchInvariantError` naming the
+    site's group and why."""
     from .measured import dispatch
 
     if name != AS_WRITTEN:
@@ -118,6 +119,11 @@ def invariant(name: str, why: str, site: Site) -> tuple[str, str]:
     if written_invariant(site.world_size, site.device):
         return AS_WRITTEN, (f"{why}; batch-invariant as written: 2 CPU ranks (the sum of two partials has one "
                             "order)")
+    gpu = registry.gpu_fallback()  # on a GPU the site as written never is: the GPU fallback where it runs
+    if (site.device.type == "cuda" and gpu is not None and name != gpu.name
+            and registry.invariant_on(gpu, site.device) is None and unavailable(gpu, site) is None):
+        return gpu.name, (f"{why}; the site as written is not batch-invariant on a GPU: GPU fallback {gpu.name}, "
+                          "batch-invariant: partial sums added in rank order in fp32")
     written = (f"an all_reduce of {site.world_size} ranks adds the partial sums in an order that changes with "
                "the message size" if site.world_size > 2 else
                f"on {site.device.type} Inductor picks the norm's reduction kernel shape by the row count")
