@@ -162,9 +162,9 @@ def takes(impl: Implementation, site: Site) -> Optional[str]:
     if site.eps_on_device and not impl.takes_eps_tensor:
         takers = [e.name for e in registry.implementations() if e.takes_eps_tensor]
         return f"eps is a device tensor: only {', '.join(takers)} read it there (the others read it on the host)"
-    if site.batch_invariant and registry.invariant_on(impl, site.device):
-        takers = [e.name for e in registry.implementations() if registry.invariant_on(e, site.device) is None]
-        return f"{registry.invariant_on(impl, site.device)}; batch-invariant here: {', '.join(takers)}"
+    not_invariant = site.batch_invariant and registry.invariant_on(impl, site.device)
+    if not_invariant:
+        return f"{not_invariant}; batch-invariant here: {', '.join(registry.invariant_takers(site.device))}"
     if site.norm == "layernorm" and not impl.takes_layernorm:
         takers = [e.name for e in registry.implementations() if e.takes_layernorm]
         return f"LayerNorm site: only {', '.join(takers)} compute a LayerNorm (the others RMSNorm only)"

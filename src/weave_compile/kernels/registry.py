@@ -210,6 +210,11 @@ def invariant_on(impl: Implementation, device: torch.device) -> Optional[str]:
     return None
 
 
+def invariant_takers(device: torch.device) -> list[str]:
+    """The implementations that honour ``batch_invariant`` on ``device``, by name."""
+    return [e.name for e in implementations() if invariant_on(e, device) is None]
+
+
 def get(name: str) -> Implementation:
     """The implementation registered as ``name``; ValueError naming the valid ones otherwise."""
     _load_builtins()

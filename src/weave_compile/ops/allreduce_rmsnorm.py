@@ -145,9 +145,8 @@ def _call(a: dict[str, Any], beside_compute: bool) -> tuple[torch.Tensor, torch.
     impl = auto.implementation_for(a["kernel"], num_rows(a["x"]))
     not_invariant = a["batch_invariant"] and kernels.registry.invariant_on(impl, a["x"].device)
     if not_invariant:
-        takers = [e.name for e in kernels.implementations() if not kernels.registry.invariant_on(e, a["x"].device)]
         raise ValueError(f"weave::allreduce_add_rmsnorm: kernel {impl.name!r}: {not_invariant}; batch-invariant on "
-                         f"{a['x'].device.type}: {takers}")
+                         f"{a['x'].device.type}: {kernels.registry.invariant_takers(a['x'].device)}")
     if a["scale"] is not None and not impl.takes_scale:
         raise ValueError(f"weave::allreduce_add_rmsnorm: kernel {impl.name!r} is one of those that take no scale "
                          f"({[e.name for e in kernels.implementations() if not e.takes_scale]})")

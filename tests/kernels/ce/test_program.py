@@ -192,9 +192,9 @@ def test_no_token_count_makes_a_variant_of_its_own(monkeypatch, N, H, dtypes, re
 @pytest.mark.parametrize("form", [None, "vllm-per-token", "torchao-per-row-bf16", "static-div", "static-recip-noclamp"])
 def test_no_token_count_makes_an_epilogue_or_layernorm_variant_of_its_own(monkeypatch, N, norm, form):
     """As above for a site with an fp8 epilogue (``quant``) or a LayerNorm: what ``preload_site``
-    loads covers every T, CTA count and residual layout's launch. (A static site's preload once
-    handed the kernel the row scales' pointer, which a call leaves out: on the GPU every static
-    call then compiled a kernel while its peers waited.)"""
+    loads covers every T, CTA count and residual layout's launch (a static site's calls pass no row
+    scales' pointer, so neither may its preload: a pointer where a call has none is another
+    specialization, a kernel compiled at run time while the peers wait)."""
     from tests.kernels.shared._addnorm_cases import quant_forms
 
     seen = _variant_recorder(monkeypatch)
