@@ -29,8 +29,9 @@ real rows (plain Inductor's all_reduce, which the fake group leaves as its input
 to that much. Written, each collective gives rank 0's view of the fake all_reduce: the reduce-
 scatter this rank's rows of its input (the sum is this rank's partial, as above), the all-gather
 this rank's rows in every rank's place. The cost is a copy of what the real collective writes into
-this GPU's memory (S or N x S rows), timed with the variant; plain Inductor's all_reduce copies its
-input the same way (Inductor clones it before the in-place collective).
+this GPU's memory (S or N x S rows), timed with the variant (the gather copies words, so its
+element count goes with the bytes: :func:`as_words`); plain Inductor's all_reduce copies its input
+the same way (Inductor clones it before the in-place collective).
 
 Benchmarks only: it swaps a registry entry of the package for the ``with`` block, and registers
 CPU and CUDA kernels for torch's functional collectives while written collectives are on.
@@ -141,9 +142,29 @@ def _this_rank(group_name) -> int:
     return dist.get_rank(group)
 
 
+def as_words(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as the widest integer elements (8, 4 or 2 bytes) its rows divide into, or ``t``.
+
+    The written all-gather copies its input broadcast N times, a strided copy whose time follows
+    its element count: one H100 copied 4 MB of one-byte fp8 codes no faster than 8 MB of bf16 rows
+    (8.4 us at H=4096, T=1024, 8 ranks; ``benchmarks/fp8_kernels.py``), where the collective it
+    stands for moves bytes. As words the element count goes with the bytes."""
+    if t.dim() == 0 or not t.is_contiguous():
+        return t
+    for dt in (torch.int64, torch.int32, torch.int16):
+        size = dt.itemsize
+        if t.element_size() < size and (t.shape[-1] * t.element_size()) % size == 0 \
+                and (t.storage_offset() * t.element_size()) % size == 0:
+            return t.view(dt)
+    return t
+
+
 def _gather_into(inp: torch.Tensor, group_size: int, group_name, out: torch.Tensor) -> torch.Tensor:
     _this_rank(group_name)
-    out.view(group_size, *inp.shape).copy_(inp.unsqueeze(0).expand(group_size, *inp.shape))
+    words, out_words = as_words(inp), as_words(out)
+    if words.dtype != out_words.dtype:
+        words, out_words = inp, out
+    out_words.view(group_size, *words.shape).copy_(words.unsqueeze(0).expand(group_size, *words.shape))
     return out
 
 

@@ -77,6 +77,24 @@ def test_written_collectives_write_every_row_and_leave_with_the_block(group, see
     assert not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU")  # torch's own kernel again
 
 
+@pytest.mark.parametrize("dtype,H,word", [(torch.uint8, 4100, torch.int32), (torch.float8_e4m3fn, 4096, torch.int64),
+                                          (torch.bfloat16, 4096, torch.int64), (torch.uint8, 33, torch.uint8),
+                                          (torch.float32, 1, torch.float32), (torch.bfloat16, 3, torch.bfloat16)])
+def test_the_written_gather_copies_words_and_gives_rank_0s_bytes(group, seed, dtype, H, word):  # noqa: F811
+    """The gather's stand-in goes with the bytes it writes (fake_group.as_words): fp8 codes and
+    bf16 rows copied as the widest words their rows divide into, every byte rank 0's."""
+    from weave_compile.rows import all_gather_rows
+
+    g = torch.Generator().manual_seed(seed)
+    shard = torch.randint(0, 256, (3, H * dtype.itemsize), dtype=torch.uint8, generator=g).view(dtype)
+    assert fake_group.as_words(shard).dtype == word
+    assert fake_group.as_words(shard.t()).dtype == dtype  # not contiguous: as it is
+    with fake_group.written_collectives():
+        out = all_gather_rows(shard, group, 2)
+    assert out.dtype == dtype and out.shape == (6, H)
+    assert torch.equal(out.view(torch.uint8), torch.cat([shard, shard]).view(torch.uint8))
+
+
 @pytest.mark.parametrize("T", [7, 8])
 def test_the_gpu_fallback_on_the_fake_group_returns_real_rows_only(group, seed, T):  # noqa: F811
     """``nccl`` (reduce-scatter, add+norm, all-gather) under written collectives: rank 0's rows are

@@ -1,0 +1,33 @@
+"""benchmarks/addnorm_grid.py: the grids it times for one launch shape (the timing itself needs a GPU)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+import addnorm_grid  # noqa: E402
+
+sys.path.pop(0)
+
+
+@pytest.mark.parametrize("hidden,rows,quant", [(4096, 128, True), (8192, 128, False), (4096, 2048, True),
+                                               (4096, 128, False), (4096, 3, True), (8192, 512, True)])
+def test_the_arms_are_todays_grid_twice_then_wider_ones_on_one_launch_shape(hidden, rows, quant):
+    from weave_compile.kernels.shared import addnorm
+
+    sms = 132
+    cfg, ctas = addnorm_grid.grids(hidden, rows, quant, sms)
+    tiles = -(-rows // cfg.block_rows)
+    per8 = -(-rows // addnorm.ROWWISE_WARPS)
+    assert cfg == addnorm.launch_config(hidden, rows_per_cta=-(-rows // per8), quant=quant)  # nccl's shape today
+    assert ctas["per8"] == ctas["per8_again"] == min(per8, tiles)
+    assert ctas["per_tile"] == tiles
+    assert ctas["per8"] <= ctas["per_sm"] <= ctas["per_tile"]
+    assert ctas["per_sm"] == min(tiles, max(per8, sms))
+    if cfg.chunk:  # the one-warp-per-row loop: 8-row blocks, every arm the same grid
+        assert len(set(ctas.values())) == 1
+    if quant and rows == 128 and hidden == 4096:  # the epilogue's 2-row tile: 16 CTAs of 4 tiles today
+        assert (ctas["per8"], ctas["per_tile"]) == (16, 64)
