@@ -4,15 +4,16 @@
     python benchmarks/addnorm_grid.py --hidden 4096 --rows 128,512,2048 --quant 1
 
 ``nccl`` launches the add+norm (and its fp8 epilogue) on one CTA per 8 rows (``addnorm.ctas_for``,
-the one-warp-per-row loop's block). Where the launch runs a smaller row tile (the epilogue always:
-2 rows a tile at H=4096, 1 at 8192), each CTA takes its tiles one after another, each waiting on
-its rows' sums and amax. This times the same launch shape on three grids, rotating which goes
-first, each ``--calls`` calls captured in one CUDA graph (median of ``--repeats`` replays, then the
-median over ``--rounds``):
+the one-warp-per-row loop's block), but with no received slots (its reduce-scatter has summed the
+partials) it runs the row tile, not that loop: 2 rows a tile at H=4096, 1 at 8192, so each CTA
+takes 4 or 8 tiles one after another, each waiting on its rows' sums (and the epilogue's amax).
+This times ``nccl``'s launch shape on four grids, rotating which goes first, each ``--calls``
+calls captured in one CUDA graph (median of ``--repeats`` replays, then the median over
+``--rounds``):
 
 * ``per8``: today's grid, a CTA per 8 rows;
 * ``per8_again``: the same launch again, the control: how far apart the method reads two identical
-  launches (an earlier A/B without it read identical launches up to 2x apart);
+  launches;
 * ``per_sm``: at least a CTA per SM while tiles last;
 * ``per_tile``: a CTA per tile.
 
@@ -38,12 +39,12 @@ ARMS = ("per8", "per8_again", "per_sm", "per_tile")
 
 
 def grids(hidden: int, rows: int, quant: bool, sms: int):
-    """``(launch shape, {arm: CTAs})``: the shape ``nccl`` picks today for ``rows`` rows (a CTA per
-    8 rows), and each arm's grid for it."""
+    """``(launch shape, {arm: CTAs})``: the shape ``nccl`` picks today for ``rows`` bf16 rows (no
+    received slots, a CTA per 8 rows: ``addnorm.add_rmsnorm_rows``), and each arm's grid for it."""
     from weave_compile.kernels.shared import addnorm
 
     per8 = max(1, -(-rows // addnorm.ROWWISE_WARPS))
-    cfg = addnorm.launch_config(hidden, rows_per_cta=-(-rows // per8), quant=quant)
+    cfg = addnorm.launch_config(hidden, slots=0, rows_per_cta=-(-rows // per8), quant=quant)
     tiles = max(1, -(-rows // cfg.block_rows))
     return cfg, {"per8": min(per8, tiles), "per8_again": min(per8, tiles), "per_sm": min(tiles, max(per8, sms)),
                  "per_tile": tiles}
