@@ -42,8 +42,9 @@ def grids(hidden: int, rows: int, quant: bool, sms: int):
     """``(launch shape, {arm: CTAs})``: the shape ``nccl`` picks today for ``rows`` bf16 rows (no
     received slots, a CTA per 8 rows: ``addnorm.add_rmsnorm_rows``), and each arm's grid for it."""
     from weave_compile.kernels.shared import addnorm
+    from weave_compile.kernels.spec import FusedSpec
 
-    per8 = max(1, -(-rows // addnorm.ROWWISE_WARPS))
+    per8 = addnorm.ctas_for(FusedSpec(residual_dtype=torch.bfloat16, out_dtype=torch.bfloat16), rows)  # nccl's call
     cfg = addnorm.launch_config(hidden, slots=0, rows_per_cta=-(-rows // per8), quant=quant)
     tiles = max(1, -(-rows // cfg.block_rows))
     return cfg, {"per8": min(per8, tiles), "per8_again": min(per8, tiles), "per_sm": min(tiles, max(per8, sms)),
