@@ -3,18 +3,18 @@
     python benchmarks/addnorm_grid.py
     python benchmarks/addnorm_grid.py --hidden 4096 --rows 128,512,2048 --quant 1
 
-``nccl`` launches the add+norm (and its fp8 epilogue) on one CTA per 8 rows (``addnorm.ctas_for``,
-the one-warp-per-row loop's block), but with no received slots (its reduce-scatter has summed the
-partials) it runs the row tile, not that loop: 2 rows a tile at H=4096, 1 at 8192, so each CTA
-takes 4 or 8 tiles one after another, each waiting on its rows' sums (and the epilogue's amax).
-This times ``nccl``'s launch shape on four grids, rotating which goes first, each ``--calls``
-calls captured in one CUDA graph (median of ``--repeats`` replays, then the median over
-``--rounds``):
+With no received slots (its reduce-scatter has summed the partials) ``nccl``'s add+norm (and its
+fp8 epilogue) runs the row tile, not the one-warp-per-row loop: 2 rows a tile at H=4096, 1 at 8192.
+On a CTA per 8 rows (the loop's block, the grid it had before :func:`addnorm.plan`) each CTA takes
+4 or 8 tiles one after another, each waiting on its rows' sums (and the epilogue's amax). This
+times ``nccl``'s launch shape on four grids, rotating which goes first, each ``--calls`` calls
+captured in one CUDA graph (median of ``--repeats`` replays, then the median over ``--rounds``):
 
-* ``per8``: today's grid, a CTA per 8 rows;
+* ``per8``: a CTA per 8 rows;
 * ``per8_again``: the same launch again, the control: how far apart the method reads two identical
   launches;
-* ``per_sm``: at least a CTA per SM while tiles last;
+* ``plan``: ``nccl``'s call (``num_ctas=addnorm.ctas_for(spec)``, None: :func:`addnorm.plan`'s
+  grid, at least a CTA per SM while tiles last);
 * ``per_tile``: a CTA per tile.
 
 A grid's gain counts only beyond the control's spread. Every arm's outputs are compared bit for
@@ -35,20 +35,20 @@ from common import Timer  # noqa: E402  (keeps NVLink multicast off)
 import torch  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
-ARMS = ("per8", "per8_again", "per_sm", "per_tile")
+ARMS = ("per8", "per8_again", "plan", "per_tile")
 
 
 def grids(hidden: int, rows: int, quant: bool, sms: int):
-    """``(launch shape, {arm: CTAs})``: the shape ``nccl`` picks today for ``rows`` bf16 rows (no
-    received slots, a CTA per 8 rows: ``addnorm.add_rmsnorm_rows``), and each arm's grid for it."""
+    """``(launch shape, {arm: CTAs})``: the shape ``nccl`` picks for ``rows`` bf16 rows (no received
+    slots: :func:`addnorm.plan`) and each arm's grid for it (``plan``'s on ``sms`` SMs)."""
     from weave_compile.kernels.shared import addnorm
     from weave_compile.kernels.spec import FusedSpec
 
-    per8 = addnorm.ctas_for(FusedSpec(residual_dtype=torch.bfloat16, out_dtype=torch.bfloat16), rows)  # nccl's call
-    cfg = addnorm.launch_config(hidden, slots=0, rows_per_cta=-(-rows // per8), quant=quant)
+    num_ctas = addnorm.ctas_for(FusedSpec(residual_dtype=torch.bfloat16, out_dtype=torch.bfloat16))  # nccl's call
+    cfg, grid = addnorm.plan(hidden, rows, num_ctas, slots=0, quant=quant, sms=sms)
+    per8 = -(-rows // addnorm.ROWWISE_WARPS)
     tiles = max(1, -(-rows // cfg.block_rows))
-    return cfg, {"per8": min(per8, tiles), "per8_again": min(per8, tiles), "per_sm": min(tiles, max(per8, sms)),
-                 "per_tile": tiles}
+    return cfg, {"per8": min(per8, tiles), "per8_again": min(per8, tiles), "plan": grid, "per_tile": tiles}
 
 
 def point(hidden: int, rows: int, quant: bool, args, dev) -> dict:
@@ -66,7 +66,8 @@ def point(hidden: int, rows: int, quant: bool, args, dev) -> dict:
     extra = dict(quant=wq.QuantSpec("row", FP8, 448.0, 1.0 / (448.0 * 512.0), reciprocal=True), row_scales=scales,
                  out_dtype=torch.bfloat16) if quant else {}
 
-    def call(n):
+    def call(arm):
+        n = None if arm == "plan" else ctas[arm]  # plan: nccl's own call, the grid picked in the launcher
         return lambda: addnorm.add_rmsnorm_rows(x, None, res, None, w, None, normed, res_out, n_valid=rows, eps=1e-6,
                                                 mid_dtype=None, weight_offset=0.0, num_ctas=n, config=cfg, **extra)
 
@@ -76,10 +77,10 @@ def point(hidden: int, rows: int, quant: bool, args, dev) -> dict:
             normed.view(torch.uint8).fill_(0xFF)  # poison: every output byte must be written
             res_out.fill_(float("nan"))
             scales.fill_(float("nan"))
-            call(ctas[arm])()
+            call(arm)()
             torch.cuda.synchronize()
             outs[arm] = (normed.view(torch.uint8).clone(), res_out.clone(), scales.clone() if quant else None)
-            times[arm].append(Timer(args.repeats)(call(ctas[arm]), args.calls))
+            times[arm].append(Timer(args.repeats)(call(arm), args.calls))
     same = all(torch.equal(a, b) for arm in ARMS for a, b in zip(outs["per8"], outs[arm]) if a is not None)
     if not same:
         raise SystemExit(f"H={hidden} rows={rows} quant={quant}: a grid changed the outputs")

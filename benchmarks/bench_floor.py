@@ -849,7 +849,7 @@ def ops(run: Run, dims: str, tokens: list[int]) -> None:
             "plain:add+norm": (lambda: plain(xs[0], full_res, weight), "Inductor's add+RMSNorm on all T rows"),
             "nccl:add+norm": (lambda: addnorm.add_rmsnorm_rows(
                 xs[0][:S], None, res_sh[0], None, weight, None, normed, res_out, n_valid=S, eps=eps, mid_dtype=None,
-                weight_offset=0.0, num_ctas=addnorm.ctas_for(spec, S)), "its add+norm on this rank's T/2 rows"),
+                weight_offset=0.0, num_ctas=addnorm.ctas_for(spec)), "its add+norm on this rank's T/2 rows"),
         }
         try:
             pr = EmulatedRanks.create(N, H, t, dtype=dt, device=run.dev)

@@ -109,7 +109,7 @@ def identity_run(rows: Rows, spec: FusedSpec) -> tuple[torch.Tensor, torch.Tenso
     addnorm.add_rmsnorm_rows(x, None, residual, rows.bias, rows.weight,
                              None if rows.scale is None else rows.scale.reshape(1), normed, res, n_valid=T,
                              eps=rows.eps(spec), mid_dtype=spec.mid_dtype, weight_offset=spec.weight_offset,
-                             num_ctas=addnorm.ctas_for(spec, T), norm=spec.norm, norm_bias=rows.norm_bias)
+                             num_ctas=addnorm.ctas_for(spec), norm=spec.norm, norm_bias=rows.norm_bias)
     if not spec.residual_out_sharded:
         return normed, res
     shard = res.new_zeros((S, H))

@@ -230,9 +230,37 @@ def test_the_add_norm_grid_keeps_to_comm_ctas_only_beside_other_work():
     from weave_compile.kernels.shared import addnorm
 
     spec = FusedSpec(residual_dtype=torch.bfloat16, out_dtype=torch.bfloat16, comm_ctas=4)
-    assert addnorm.ctas_for(dataclasses.replace(spec, beside_compute=True), 4096) == 4
-    assert addnorm.ctas_for(spec, 4096) == 4096 // addnorm.ROWWISE_WARPS  # one row block per CTA
-    assert addnorm.ctas_for(spec, 3) == 1
+    assert addnorm.ctas_for(dataclasses.replace(spec, beside_compute=True)) == 4
+    assert addnorm.ctas_for(spec) is None  # the whole device: one row block per CTA (addnorm.plan)
+
+
+@pytest.mark.parametrize("hidden,rows,quant,slots", [
+    (4096, 128, False, 1), (4096, 128, True, 1), (8192, 128, False, 1), (4096, 3, False, 1), (4096, 129, False, 1),
+    (4096, 2048, True, 1), (8192, 4096, False, 1),
+    (4096, 128, False, 0), (4096, 512, True, 0), (4096, 2048, False, 0), (8192, 1024, True, 0)])  # 0: nccl's
+def test_the_whole_device_add_norm_grid_has_a_cta_per_sm_while_row_blocks_last(hidden, rows, quant, slots):
+    """Nothing beside it: the shape picked for a CTA per 8 rows (the one-warp-per-row loop keeps its
+    8-row blocks and grid where it ran before), on at least a CTA per SM while there are row
+    blocks for them (a CTA's blocks run one after another, each waiting on its rows' sums), and
+    no more (past that the loop's prefetch beats more waves). Beside other work: at most
+    ``comm_ctas`` CTAs, each looping."""
+    from weave_compile.kernels.shared import addnorm
+
+    sms = 132
+    cfg, grid = addnorm.plan(hidden, rows, None, slots=slots, quant=quant, sms=sms)
+    per8 = -(-rows // addnorm.ROWWISE_WARPS)
+    assert cfg == addnorm.launch_config(hidden, slots=slots, rows_per_cta=-(-rows // per8), quant=quant)
+    blocks = -(-rows // cfg.block_rows)
+    assert bool(cfg.chunk) == (slots == 1 and not quant and hidden <= 4096 and rows >= addnorm.ROWWISE_WARPS)
+    if cfg.chunk:  # the one-warp-per-row loop: a CTA per 8-row block, as before
+        assert grid == per8 == blocks
+    else:
+        assert grid == min(blocks, max(per8, sms))
+        assert grid > per8 or blocks <= per8 or per8 >= sms  # more CTAs than 8 rows a CTA gave, where it counts
+    assert addnorm.plan(hidden, rows, None, slots=slots, quant=quant)[1] == min(per8, blocks)  # no SMs: 8 rows a CTA
+    few, few_grid = addnorm.plan(hidden, rows, 4, slots=slots, quant=quant, sms=sms)
+    assert few_grid == min(4, -(-rows // few.block_rows))
+
 
 
 def test_the_symm_kernels_take_no_scale():

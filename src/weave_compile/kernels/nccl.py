@@ -69,7 +69,7 @@ def fused_allreduce_rmsnorm_nccl(rows: Rows, spec: FusedSpec) -> tuple[torch.Ten
     addnorm.add_rmsnorm_rows(acc_in, None, residual, rows.bias, rows.weight,
                              None if rows.scale is None else rows.scale.reshape(1), normed_shard, res_shard,
                              n_valid=n_mine, eps=rows.eps(spec), mid_dtype=spec.mid_dtype,
-                             weight_offset=spec.weight_offset, num_ctas=addnorm.ctas_for(spec, S),
+                             weight_offset=spec.weight_offset, num_ctas=addnorm.ctas_for(spec),
                              norm=spec.norm, norm_bias=rows.norm_bias, quant=quant,
                              quant_scale=None if rows.quant_scale is None else rows.quant_scale.reshape(1),
                              row_scales=row_scales, out_dtype=spec.out_dtype)

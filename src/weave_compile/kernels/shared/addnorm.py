@@ -23,6 +23,7 @@ with torch ops, which is what the copy-engine CPU simulation uses.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -108,12 +109,48 @@ def launch_config(hidden: int, block_rows: Optional[int] = None, num_stages: Opt
     return LaunchConfig(int(block_rows), int(num_stages), int(num_warps), bool(prefetch))
 
 
-def ctas_for(spec, rows: int) -> int:
-    """The add+norm's grid for ``rows`` rows of an op with :class:`~weave_compile.kernels.spec.FusedSpec`
-    ``spec``: its ``comm_ctas`` where it runs beside other work, else one CTA per group of
-    ``ROWWISE_WARPS`` rows, the one-warp-per-row loop's block (nothing runs beside it: the whole
-    device)."""
-    return spec.comm_ctas if spec.beside_compute else max(1, -(-rows // ROWWISE_WARPS))
+def ctas_for(spec) -> Optional[int]:
+    """The add+norm's ``num_ctas`` for an op with :class:`~weave_compile.kernels.spec.FusedSpec`
+    ``spec``: its ``comm_ctas`` where it runs beside other work, else None: nothing runs beside
+    it, the grid is sized for the whole device (:func:`plan`)."""
+    return spec.comm_ctas if spec.beside_compute else None
+
+
+def plan(hidden: int, n_res_rows: int, num_ctas: Optional[int], *, slots: int = 1, elem_bytes: int = 2,
+         res_bytes: Optional[int] = None, quant: bool = False, rank_order: bool = False,
+         config: Optional[LaunchConfig] = None, sms: int = 0) -> tuple[LaunchConfig, int]:
+    """The launch shape and the grid of :func:`add_rmsnorm_rows` for ``n_res_rows`` rows.
+
+    ``num_ctas`` an int: at most that many CTAs, each looping over row blocks, the shape
+    :func:`launch_config` picks for the rows each gets. None (nothing runs beside it): the shape
+    picked as for one CTA per ``ROWWISE_WARPS`` rows (the one-warp-per-row loop where it fits, a
+    CTA per row block of it), on at least one CTA per SM (``sms``, the device's) while there are
+    row blocks for them. A CTA's row blocks run one after another, each waiting on its rows' sums
+    (and the fp8 epilogue's amax), so 8 rows a CTA on a smaller block is latency-bound on few
+    rows; past a CTA per SM the loop's prefetch of the next block beats more waves (one H100, the
+    fp8 epilogue at H=4096: 128 rows 12.2 us on 16 CTAs, 4.7 us on 64; 2048 rows 27.3 us on 256,
+    36.2 us on 1024; ``docs/performance.md``, "fp8 epilogue")."""
+    ctas = max(1, -(-n_res_rows // ROWWISE_WARPS)) if num_ctas is None else max(1, int(num_ctas))
+    if config is None and rank_order:  # one shape for every row count (add_rmsnorm_rows)
+        config = launch_config(hidden, prefetch=False)
+    cfg = config or launch_config(hidden, slots=slots, elem_bytes=elem_bytes, res_bytes=res_bytes,
+                                  rows_per_cta=-(-n_res_rows // ctas), quant=quant)
+    blocks = max(1, -(-n_res_rows // cfg.block_rows))
+    if num_ctas is None:
+        ctas = max(ctas, sms)
+    return cfg, min(ctas, blocks)
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """The SMs of CUDA ``device`` (0 elsewhere: the interpreter's grid is not a device's)."""
+    if device.type != "cuda":
+        return 0
+    return _sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def check_hidden(hidden: int) -> Optional[str]:
@@ -402,7 +439,7 @@ def add_rmsnorm_rows(
     eps: Union[float, torch.Tensor],
     mid_dtype: Optional[torch.dtype],
     weight_offset: float,
-    num_ctas: int,
+    num_ctas: Optional[int],
     config: Optional[LaunchConfig] = None,
     force_torch: bool = False,
     preload: bool = False,
@@ -421,7 +458,8 @@ def add_rmsnorm_rows(
     contiguous rows, or None; ``residual`` [>= n_valid, H] or None; ``scale`` a 1-element tensor;
     ``eps`` a number or a 0-d tensor on ``x``'s device (read there: no host sync);
     ``abort`` an int32 word or None: where it is not 0 every output is NaN (the ``ce`` watchdog's
-    poison). Rows of ``normed`` past ``n_valid`` are not touched. ``preload``: compile and load the
+    poison). Rows of ``normed`` past ``n_valid`` are not touched. ``num_ctas``: the grid's bound,
+    or None for one CTA per row block (:func:`plan`). ``preload``: compile and load the
     kernel this call would launch (its module and function handles), launch nothing, and return
     it (see :mod:`weave_compile.kernels.ce.copy_engine`, "Deadlock freedom"). ``norm``:
     ``"rmsnorm"`` or ``"layernorm"`` (the centred row's mean square as the variance); ``norm_bias``
@@ -463,12 +501,10 @@ def add_rmsnorm_rows(
                                 row_scales=row_scales, out_dtype=out_dtype, rank_order=rank_order)
         return None
     slots = 0 if recv is None else recv.shape[0]
-    if config is None and rank_order is not None:  # one shape for every row count (docstring)
-        config = launch_config(hidden, prefetch=False)
-    cfg = config or launch_config(
-        hidden, slots=slots, elem_bytes=max(t.element_size() for t in (x, residual, recv) if t is not None),
-        res_bytes=res_out.element_size(), rows_per_cta=-(-n_res_rows // max(1, int(num_ctas))),
-        quant=quant is not None)
+    cfg, grid = plan(hidden, n_res_rows, num_ctas, slots=slots,
+                     elem_bytes=max(t.element_size() for t in (x, residual, recv) if t is not None),
+                     res_bytes=res_out.element_size(), quant=quant is not None, rank_order=rank_order is not None,
+                     config=config, sms=sm_count(x.device) if num_ctas is None else 0)
     if quant is not None and cfg.chunk:
         raise ValueError("add_rmsnorm_rows: the fp8 epilogue runs on the row tile, not the one-warp-per-row loop")
     if recv is not None and (recv.stride(-1) != 1 or recv.stride(-2) != hidden):
@@ -493,7 +529,7 @@ def add_rmsnorm_rows(
     tensors = (x, recv, residual, bias, weight, scale, abort, normed, res_out)
     while True:
         try:
-            return _launch(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, num_ctas, cfg, slots,
+            return _launch(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, grid, cfg, slots,
                            preload=preload, **ln)
         except triton.runtime.errors.OutOfResources as e:
             if cfg.num_stages <= 1 or cfg.prefetch:
@@ -548,10 +584,9 @@ def kernel_args(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, cfg
     return args, kwargs
 
 
-def _launch(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, num_ctas, cfg, slots, preload=False,
+def _launch(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, grid, cfg, slots, preload=False,
             **variant):
     args, kwargs = kernel_args(tensors, n_valid, n_res_rows, eps, mid_dtype, weight_offset, cfg, slots, **variant)
-    grid = max(1, min(int(num_ctas), triton.cdiv(n_res_rows, cfg.block_rows)))
     if not preload:
         _add_rmsnorm_rows_kernel[(grid,)](*args, **kwargs)
         return None
