@@ -460,9 +460,10 @@ def add_rmsnorm_rows(
     ``eps`` a number or a 0-d tensor on ``x``'s device (read there: no host sync);
     ``abort`` an int32 word or None: where it is not 0 every output is NaN (the ``ce`` watchdog's
     poison). Rows of ``normed`` past ``n_valid`` are not touched. ``num_ctas``: the grid's bound,
-    or None for one CTA per row block (:func:`plan`). ``preload``: compile and load the
-    kernel this call would launch (its module and function handles), launch nothing, and return
-    it (see :mod:`weave_compile.kernels.ce.copy_engine`, "Deadlock freedom"). ``norm``:
+    or None: sized for the whole device, at least a CTA per SM while row blocks last
+    (:func:`plan`). ``preload``: compile and load the kernel this call would launch (its module and
+    function handles), launch nothing, and return it (see :mod:`weave_compile.kernels.ce.copy_engine`,
+    "Deadlock freedom"). ``norm``:
     ``"rmsnorm"`` or ``"layernorm"`` (the centred row's mean square as the variance); ``norm_bias``
     [H] is added after the weight. Both run in the Triton kernel (its ``IS_LAYERNORM`` /
     ``HAS_NORM_BIAS`` variant, every loop kind) as RMSNorm does.
