@@ -55,7 +55,7 @@ def point(hidden: int, rows: int, quant: bool, args, dev) -> dict:
     from weave_compile.kernels.shared import addnorm
     import weave_compile.quant as wq
 
-    cfg, ctas = grids(hidden, rows, quant, torch.cuda.get_device_properties(dev).multi_processor_count)
+    cfg, ctas = grids(hidden, rows, quant, addnorm.sm_count(dev))  # the SMs the launcher's plan reads
     g = torch.Generator(device=dev).manual_seed(rows * 31 + hidden)
     x = torch.randn(rows, hidden, device=dev, generator=g).bfloat16()
     res = torch.randn(rows, hidden, device=dev, generator=g).bfloat16()

@@ -231,7 +231,7 @@ def test_the_add_norm_grid_keeps_to_comm_ctas_only_beside_other_work():
 
     spec = FusedSpec(residual_dtype=torch.bfloat16, out_dtype=torch.bfloat16, comm_ctas=4)
     assert addnorm.ctas_for(dataclasses.replace(spec, beside_compute=True)) == 4
-    assert addnorm.ctas_for(spec) is None  # the whole device: one row block per CTA (addnorm.plan)
+    assert addnorm.ctas_for(spec) is None  # the whole device: at least a CTA per SM (addnorm.plan)
 
 
 @pytest.mark.parametrize("hidden,rows,quant,slots", [
@@ -260,7 +260,6 @@ def test_the_whole_device_add_norm_grid_has_a_cta_per_sm_while_row_blocks_last(h
     assert addnorm.plan(hidden, rows, None, slots=slots, quant=quant)[1] == min(per8, blocks)  # no SMs: 8 rows a CTA
     few, few_grid = addnorm.plan(hidden, rows, 4, slots=slots, quant=quant, sms=sms)
     assert few_grid == min(4, -(-rows // few.block_rows))
-
 
 
 def test_the_symm_kernels_take_no_scale():
